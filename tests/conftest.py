@@ -1,0 +1,24 @@
+"""Shared fixtures: the default model folder (skipped when not provisioned) and test markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = ROOT / "artifacts" / "models" / "smollm2-135m-instruct"
+
+torch.set_num_threads(2)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: long-running test, excluded from the default run (make test-slow)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        pytest.skip("default model not provisioned: run `make model` (or `make bank`) first")
+    return DEFAULT_MODEL_DIR
