@@ -1,27 +1,374 @@
-"""Stage dispatch: each stage is a function of the config that ensures its inputs exist first."""
+"""Stage dispatch. Each stage is a function of the config that first makes sure its inputs exist
+(running the earlier stages, each skipped when up to date), then builds its own output through
+`run_stage` (atomic, with a manifest). `make bank TASK=x` therefore runs only what is missing.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.model import provision_model
+from pipeline.artifacts import atomic_write_json, hash_obj, machine_info, read_json, run_stage
+from pipeline.model import model_fingerprint, provision_model
+from pipeline.paths import Layout
+
+STAGE_ORDER = ("model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank", "evaluate")
 
 
 def _c(node: Any) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
+def _force(cfg: DictConfig, stage: str) -> bool:
+    return bool(cfg.force) and cfg.stage == stage
+
+
+# ------------------------------------------------------------------------------------ checks
+def validate_config(cfg: DictConfig) -> None:
+    """Fail at start-up, before any long work, on configuration that cannot work."""
+    if cfg.stage not in STAGE_ORDER:
+        raise SystemExit(f"unknown stage {cfg.stage!r}; choose one of: {', '.join(STAGE_ORDER)}")
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise SystemExit(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("device=cuda but no CUDA device is visible; use device=cpu")
+    p = cfg.profile
+    if int(p.grow_budget) < 1:
+        raise SystemExit(f"profile.grow_budget must be >= 1, got {p.grow_budget}")
+    if int(cfg.grow.max_depth) > int(cfg.heads.num_heads):
+        raise SystemExit(f"grow.max_depth={cfg.grow.max_depth} exceeds the heads' num_heads={cfg.heads.num_heads}: "
+                         "a tree cannot be deeper than the number of draft heads")
+    if int(cfg.grow.max_depth) < 1:
+        raise SystemExit(f"grow.max_depth must be >= 1, got {cfg.grow.max_depth}")
+    if cfg.model.source == "local" and not Path(str(cfg.model.path)).is_dir():
+        raise SystemExit(f"model.path={cfg.model.path} is not a folder; point it at a Hugging Face model folder")
+    pol = _c(cfg.policy)
+    from runtime.policy import validate_policy_config
+
+    validate_policy_config(pol)
+
+
+# ------------------------------------------------------------------------------------ stages
+_MEMO: dict[tuple[str, str], Any] = {}
+
+
+def memo_stage(fn):
+    """Run each stage once per process and config: later stages ask for their inputs repeatedly."""
+
+    def wrapper(cfg: DictConfig, *args: Any) -> Any:
+        k = (fn.__name__, hash_obj([_c(cfg), args]))
+        if k not in _MEMO:
+            _MEMO[k] = fn(cfg, *args)
+        return _MEMO[k]
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@memo_stage
 def stage_model(cfg: DictConfig) -> Path:
-    return provision_model(_c(cfg.model), cfg.artifacts_dir, force=cfg.force and cfg.stage == "model")
+    return provision_model(_c(cfg.model), cfg.artifacts_dir, force=_force(cfg, "model"))
 
 
-STAGES = {"model": stage_model}
+@memo_stage
+def stage_prepare(cfg: DictConfig) -> Path:
+    from pipeline.prepare import prepare_task
+
+    model_dir = stage_model(cfg)
+    return prepare_task(_c(cfg.task), _c(cfg.profile), model_dir, Path(cfg.data_dir), force=_force(cfg, "prepare"))
+
+
+@memo_stage
+def stage_heads(cfg: DictConfig, heads_cfg: dict | None = None) -> Path:
+    """Use shipped heads when their base fingerprint matches, else train them."""
+    from pipeline.train_heads import train_heads
+
+    model_dir = stage_model(cfg)
+    hc = heads_cfg or _c(cfg.heads)
+    for task in ("humaneval", "gsm8k", "sharegpt"):  # the training mix reads every task's train pool
+        task_cfg = _c(OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "task" / f"{task}.yaml"))
+        from pipeline.prepare import prepare_task
+
+        prepare_task(task_cfg, _c(cfg.profile), model_dir, Path(cfg.data_dir))
+    return train_heads(hc, model_dir, Path(cfg.data_dir), Path(cfg.artifacts_dir), force=_force(cfg, "heads"))
+
+
+@memo_stage
+def resolve_dtype(cfg: DictConfig) -> str:
+    """`dtype: auto` picks the faster dtype for tree decoding on this machine, measured once."""
+    if cfg.dtype != "auto":
+        return str(cfg.dtype)
+    if cfg.device == "cuda":
+        return "float16"
+    lay = Layout.from_cfg(cfg)
+    f = lay.artifacts / "reports" / lay.model_name / "dtype_choice.json"
+    mach = machine_info()
+    if f.is_file():
+        doc = read_json(f)
+        if doc.get("machine", {}).get("cpu") == mach["cpu"] and doc.get("machine", {}).get("cores") == mach["cores"]:
+            return doc["dtype"]
+    from pipeline.benchmarks.cost_curve import pick_decode_dtype
+
+    choice = pick_decode_dtype(stage_model(cfg))
+    atomic_write_json(f, {**choice, "machine": mach})
+    return choice["dtype"]
+
+
+@cache
+def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, threads: int | None):
+    from runtime.heads import load_heads
+    from runtime.model import load_model
+
+    model = load_model(model_dir, dtype=getattr(torch, dtype), max_seq_len=max_seq_len)
+    if threads:
+        torch.set_num_threads(threads)
+    heads = load_heads(heads_dir, model=model)
+    return model, heads
+
+
+def load_runtime(cfg: DictConfig, heads_name: str | None = None):
+    lay = Layout.from_cfg(cfg)
+    heads_dir = stage_heads(cfg) if heads_name is None else lay.heads_dir(heads_name)
+    return _load_runtime(str(stage_model(cfg)), str(heads_dir), resolve_dtype(cfg), int(cfg.model.max_seq_len), cfg.threads)
+
+
+@memo_stage
+def _inputs_key(cfg: DictConfig) -> dict[str, Any]:
+    """What every task-level stage depends on: weights, heads, data split, dtype, profile."""
+    from pipeline.prepare import read_split
+
+    lay = Layout.from_cfg(cfg)
+    stage_prepare(cfg)
+    heads_dir = stage_heads(cfg)
+    calib = read_split(Path(cfg.data_dir), lay.task, "calib")
+    return {
+        "model": model_fingerprint(lay.model_dir),
+        "heads": read_json(Path(heads_dir) / "config.json").get("fingerprint") or hash_obj(sorted(os.listdir(heads_dir))),
+        "calib": hash_obj([r["input_ids"] for r in calib]),
+        "dtype": resolve_dtype(cfg),
+        "profile": _c(cfg.profile),
+    }
+
+
+def _calib_rows(cfg: DictConfig, n: int | None = None, split: str = "calib") -> list[dict]:
+    from pipeline.prepare import read_split
+
+    rows = read_split(Path(cfg.data_dir), cfg.task.name, split)
+    return rows[:n] if n is not None else rows
+
+
+@memo_stage
+def stage_rollout(cfg: DictConfig) -> Path:
+    """One shard of the calibration rollout (`rollout.shard` of `rollout.num_shards`)."""
+    from pipeline.rollout import run_rollout, shard_rows
+
+    lay = Layout.from_cfg(cfg)
+    key = {**_inputs_key(cfg), "shard": int(cfg.rollout.shard), "num_shards": int(cfg.rollout.num_shards)}
+    n = int(cfg.rollout.num_shards)
+    out = lay.work / "shards" / f"{int(cfg.rollout.shard)}-of-{n}"
+    rows = shard_rows(_calib_rows(cfg, int(cfg.profile.calib_prompts)), int(cfg.rollout.shard), n)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        model, heads = load_runtime(cfg)
+        return run_rollout(model, heads, rows, int(cfg.profile.max_new_tokens), int(cfg.profile.rank_cap), tmp,
+                           desc=f"rollout {cfg.task.name} shard {cfg.rollout.shard}/{n}")
+
+    return run_stage("rollout", out, key, build, force=_force(cfg, "rollout"))
+
+
+@memo_stage
+def stage_merge(cfg: DictConfig) -> Path:
+    """Merge the rollout shards (running any that are missing in this process)."""
+    from pipeline.rollout import merge_rollouts
+
+    lay = Layout.from_cfg(cfg)
+    n = int(cfg.rollout.num_shards)
+    shard_dirs = []
+    for k in range(n):
+        sub = cfg.copy()
+        OmegaConf.update(sub, "rollout.shard", k)
+        shard_dirs.append(stage_rollout(sub))
+    order = [r["id"] for r in _calib_rows(cfg, int(cfg.profile.calib_prompts))]
+    key = {**_inputs_key(cfg), "num_shards": n}
+    return run_stage("merge", lay.work / "rollout", key, lambda tmp: merge_rollouts(shard_dirs, order, tmp),
+                     force=_force(cfg, "merge"))
+
+
+@memo_stage
+def stage_grow(cfg: DictConfig) -> Path:
+    from pipeline.grow import grow_frontier, top_count_tree
+    from pipeline.replay import replay_tokens_per_step
+    from pipeline.rollout import load_rollout
+
+    lay = Layout.from_cfg(cfg)
+    rollout_dir = stage_merge(cfg)
+    key = {**_inputs_key(cfg), "grow": _c(cfg.grow)}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        rollouts = load_rollout(rollout_dir)
+        budget = int(cfg.profile.grow_budget)
+        frontier: dict[str, Any] = {}
+        for depth in range(1, int(cfg.grow.max_depth) + 1):
+            trees = grow_frontier(rollouts, max_depth=depth, budget=budget)
+            frontier[str(depth)] = [{"paths": [list(p) for p in t],
+                                     "tokens_per_step": replay_tokens_per_step(rollouts, t)} for t in trees]
+        top = top_count_tree(rollouts, budget=budget, max_depth=int(cfg.grow.max_depth))
+        extra = {"top_count": {"paths": [list(p) for p in top], "tokens_per_step": replay_tokens_per_step(rollouts, top)}}
+        from runtime.tree import Tree
+
+        mc = Tree.named("mc_sim_7b_63")
+        if mc.depth <= int(cfg.heads.num_heads):
+            extra["mc_sim_7b_63"] = {"paths": [list(p) for p in mc.paths], "tokens_per_step": replay_tokens_per_step(rollouts, mc.paths)}
+        atomic_write_json(tmp / "frontier.json", {"frontier": frontier, "reference": extra})
+        best = max((e for es in frontier.values() for e in es), key=lambda e: e["tokens_per_step"])
+        return {"best_tokens_per_step": best["tokens_per_step"], "best_nodes": len(best["paths"]) + 1}
+
+    return run_stage("grow", lay.work / "grow", key, build, force=_force(cfg, "grow"))
+
+
+@memo_stage
+def candidate_trees(cfg: DictConfig) -> list[dict[str, Any]]:
+    """The frontier trees that get real decoding and timing: a size grid per max depth."""
+    from runtime.tree import Tree
+
+    doc = read_json(stage_grow(cfg) / "frontier.json")
+    sizes = set(int(s) for s in cfg.grow.candidate_sizes)
+    seen, out = set(), []
+    for depth, entries in doc["frontier"].items():
+        for e in entries:
+            t = Tree(e["paths"])
+            if len(t) in sizes and t not in seen:
+                seen.add(t)
+                out.append({"tree": t, "max_depth": int(depth), "replay_tokens_per_step": e["tokens_per_step"]})
+    out.sort(key=lambda c: (c["tree"].num_nodes, c["tree"].depth))
+    return out
+
+
+def _decoder(cfg: DictConfig, trees: list, heads_name: str | None = None):
+    from runtime.decoder import TreeDecoder
+    from runtime.tree import TreeBuffers
+
+    model, heads = load_runtime(cfg, heads_name)
+    return TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees])
+
+
+@memo_stage
+def stage_recalibrate(cfg: DictConfig) -> Path:
+    from pipeline.recalibrate import recalibrate
+    from pipeline.rollout import load_rollout
+
+    lay = Layout.from_cfg(cfg)
+    cands = candidate_trees(cfg)
+    rollout_dir = stage_merge(cfg)
+    key = {**_inputs_key(cfg), "grow": _c(cfg.grow)}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        rollouts = {r["id"]: r for r in load_rollout(rollout_dir)}
+        rows = _calib_rows(cfg, int(cfg.profile.recalib_prompts))
+        dec = _decoder(cfg, [c["tree"] for c in cands])
+        res = recalibrate(dec, [c["tree"] for c in cands], rows, rollouts, int(cfg.profile.max_new_tokens))
+        for c, r in zip(cands, res):
+            r["paths"] = [list(p) for p in c["tree"].paths]
+            r["nodes"] = c["tree"].num_nodes
+            r["depth"] = c["tree"].depth
+        atomic_write_json(tmp / "recalibrate.json", {"trees": res, "prompts": [r["id"] for r in rows]})
+        return {
+            "trees": len(res),
+            "max_tps_rel_diff": max(r["tps_rel_diff"] for r in res),
+            "min_step_agreement": min(r["step_agreement"] for r in res),
+            "token_mismatch_prompts": sum(r["token_mismatch_prompts"] for r in res),
+        }
+
+    return run_stage("recalibrate", lay.work / "recalibrate", key, build, force=_force(cfg, "recalibrate"))
+
+
+@memo_stage
+def stage_time(cfg: DictConfig) -> Path:
+    from pipeline.timing import e2e_tokens_per_second, time_trees
+
+    lay = Layout.from_cfg(cfg)
+    cands = candidate_trees(cfg)
+    key = {**_inputs_key(cfg), "grow": _c(cfg.grow), "machine": {k: v for k, v in machine_info().items() if k != "torch_threads"}}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        rows = _calib_rows(cfg, int(cfg.profile.timing_prompts))
+        dec = _decoder(cfg, [c["tree"] for c in cands])
+        t = time_trees(dec, rows, rounds=int(cfg.time.rounds), new_tokens=int(cfg.time.new_tokens))
+        n_new = int(cfg.profile.max_new_tokens)
+        trees = []
+        for c, s in zip(cands, t["step_s"]):
+            tps = c["replay_tokens_per_step"]
+            trees.append({"paths": [list(p) for p in c["tree"].paths], "nodes": c["tree"].num_nodes, "depth": c["tree"].depth,
+                          "tokens_per_step": tps, "step_ms": 1000 * s,
+                          "tok_per_s": e2e_tokens_per_second(tps, s, t["prefill_s"], n_new)})
+        ar_tok_s = e2e_tokens_per_second(1.0, t["ar_token_s"], t["prefill_s"], n_new)
+        atomic_write_json(tmp / "timing.json", {"trees": trees, "ar_token_ms": 1000 * t["ar_token_s"], "ar_tok_per_s": ar_tok_s,
+                                                "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
+                                                "machine": machine_info(), "dtype": resolve_dtype(cfg)})
+        best = max(trees, key=lambda x: x["tok_per_s"])
+        return {"best_nodes": best["nodes"], "best_tok_per_s": best["tok_per_s"], "ar_tok_per_s": ar_tok_s}
+
+    return run_stage("time", lay.work / "time", key, build, force=_force(cfg, "time"))
+
+
+@memo_stage
+def stage_bank(cfg: DictConfig) -> Path:
+    from pipeline.bank import build_bank
+
+    lay = Layout.from_cfg(cfg)
+    time_dir, recal_dir, grow_dir, rollout_dir = stage_time(cfg), stage_recalibrate(cfg), stage_grow(cfg), stage_merge(cfg)
+    key = {**_inputs_key(cfg), "grow": _c(cfg.grow), "policy": _c(cfg.policy),
+           "time": read_json(time_dir / "manifest.json")["created"]}
+    heads_dir = stage_heads(cfg)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        return build_bank(
+            tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
+            frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=_c(cfg.policy),
+            provenance={
+                "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
+                "model_fingerprint": model_fingerprint(lay.model_dir),
+                "heads_fingerprint": read_json(Path(heads_dir) / "config.json").get("fingerprint"),
+                "calib_hash": _inputs_key(cfg)["calib"], "dtype": resolve_dtype(cfg), "machine": machine_info(),
+                "config": _c(cfg),
+            },
+        )
+
+    out = run_stage("bank", lay.bank_dir, key, build, force=_force(cfg, "bank"))
+    print(read_json(out / "manifest.json")["summary"].get("text", ""))
+    return out
+
+
+@memo_stage
+def stage_evaluate(cfg: DictConfig) -> Path:
+    from pipeline.evaluate import evaluate
+
+    lay = Layout.from_cfg(cfg)
+    bank_dir = stage_bank(cfg)
+    key = {**_inputs_key(cfg), "bank": read_json(bank_dir / "manifest.json")["created"], "evaluate": _c(cfg.evaluate)}
+    return run_stage("evaluate", lay.reports / "evaluate", key, lambda tmp: evaluate(cfg, tmp, bank_dir),
+                     force=_force(cfg, "evaluate"))
+
+
+STAGES = {
+    "model": stage_model, "heads": stage_heads, "prepare": stage_prepare, "rollout": stage_rollout,
+    "merge": stage_merge, "grow": stage_grow, "recalibrate": stage_recalibrate, "time": stage_time,
+    "bank": stage_bank, "evaluate": stage_evaluate,
+}
 
 
 def run(cfg: DictConfig) -> Any:
-    if cfg.stage not in STAGES:
-        raise SystemExit(f"unknown stage {cfg.stage!r}; choose one of: {', '.join(STAGES)}")
+    validate_config(cfg)
+    torch.manual_seed(int(cfg.seed))
+    np.random.seed(int(cfg.seed))
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
     return STAGES[cfg.stage](cfg)

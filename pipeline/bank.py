@@ -1,0 +1,115 @@
+"""Bank stage: the throughput hull of the timed frontier, fitted policies, oracle bound, plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pipeline.rollout import load_rollout  # noqa: E402
+from pipeline.timing import throughput_hull  # noqa: E402
+from runtime.bank import TopologyBank  # noqa: E402
+from runtime.tree import Tree  # noqa: E402
+
+
+def build_bank(
+    out: Path, timing: dict, recal: dict, frontier: dict, rollout_dir: Path, policy_cfg: dict, provenance: dict,
+) -> dict[str, Any]:
+    from pipeline.fit_policy import fit_all_policies
+
+    cands = timing["trees"]
+    recal_by_paths = {Tree(r["paths"]): r for r in recal["trees"]}
+    hull = throughput_hull([c["nodes"] for c in cands], [c["tok_per_s"] for c in cands])
+    trees, figures = [], []
+    for k in hull:
+        c = cands[k]
+        t = Tree(c["paths"])
+        r = recal_by_paths.get(t, {})
+        trees.append(t)
+        figures.append({
+            "nodes": t.num_nodes, "depth": t.depth, "tokens_per_step": c["tokens_per_step"], "step_ms": c["step_ms"],
+            "tok_per_s": c["tok_per_s"], "real_tokens_per_step": r.get("real_tokens_per_step"),
+            "step_agreement": r.get("step_agreement"),
+        })
+    best = max(range(len(trees)), key=lambda k: figures[k]["tok_per_s"])
+    rollouts = load_rollout(rollout_dir)
+    step_costs = [f["step_ms"] / 1000 for f in figures]
+    fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg)
+    policies = {name: f["policy"] for name, f in fitted["policies"].items()}
+    policies.setdefault("static", {"kind": "static", "index": best, "signal": "p0"})
+    default = policy_cfg.get("name", "static")
+    if default not in policies:
+        default = "static"
+    bank = TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
+                        oracle=fitted["oracle"], provenance={**provenance, "fit": {n: f.get("replay") for n, f in fitted["policies"].items()},
+                                                              "ar_tok_per_s": timing["ar_tok_per_s"]})
+    bank.save(out)
+    plot_acceptance_frontier(frontier, out / "acceptance_frontier.png", provenance.get("task", ""))
+    plot_throughput_frontier(cands, hull, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)
+    plot_step_latency(cands, timing["ar_token_ms"], out / "step_latency.png", provenance)
+    text = bank.summary()
+    return {"trees": len(trees), "best_static_nodes": trees[best].num_nodes, "best_static_depth": trees[best].depth,
+            "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"], "text": text}
+
+
+def _machine_line(provenance: dict) -> str:
+    m = provenance.get("machine", {})
+    return f"{m.get('cpu', '?')}, {m.get('torch_threads', '?')} threads, {provenance.get('dtype', '?')}"
+
+
+def plot_acceptance_frontier(frontier: dict, path: Path, task: str) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for depth, entries in sorted(frontier["frontier"].items()):
+        xs = [len(e["paths"]) + 1 for e in entries]
+        ax.plot(xs, [e["tokens_per_step"] for e in entries], label=f"greedy growth, max depth {depth}")
+    for name, e in frontier.get("reference", {}).items():
+        ax.scatter([len(e["paths"]) + 1], [e["tokens_per_step"]], marker="*" if name == "mc_sim_7b_63" else "x", s=90,
+                   zorder=5, label=name)
+    ax.set_xlabel("tree nodes (with root)")
+    ax.set_ylabel("tokens per step (replayed, exact)")
+    ax.set_title(f"Acceptance frontier: {task}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_throughput_frontier(cands: list[dict], hull: list[int], ar_tok_s: float, path: Path, provenance: dict) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for depth in sorted({c["depth"] for c in cands}):
+        sel = [c for c in cands if c["depth"] == depth]
+        ax.scatter([c["nodes"] for c in sel], [c["tok_per_s"] for c in sel], s=18, label=f"depth {depth}")
+    hx = [cands[k]["nodes"] for k in hull]
+    ax.plot(hx, [cands[k]["tok_per_s"] for k in hull], "k-o", mfc="none", ms=9, label="bank (throughput hull)")
+    ax.axhline(ar_tok_s, color="gray", ls="--", label=f"AR {ar_tok_s:.1f} tok/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree nodes (with root)")
+    ax.set_ylabel("end-to-end tok/s")
+    ax.set_title(f"Throughput frontier: {provenance.get('task', '')}\n{_machine_line(provenance)}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: dict) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for depth in sorted({c["depth"] for c in cands}):
+        sel = sorted((c for c in cands if c["depth"] == depth), key=lambda c: c["nodes"])
+        ax.plot([c["nodes"] for c in sel], [c["step_ms"] for c in sel], "o-", label=f"depth {depth}")
+    ax.axhline(ar_ms, color="gray", ls="--", label=f"AR token {ar_ms:.1f} ms")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tree nodes (with root)")
+    ax.set_ylabel("step latency, ms (draft + verify + accept)")
+    ax.set_title(f"Step latency on this machine\n{_machine_line(provenance)}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,261 @@
+"""Tree speculative decoding with draft heads: draft a tree, verify it in one forward, accept.
+
+One step, with the KV cache holding every committed position before `pos` and the root token
+(the last emitted token, not yet in the cache) known:
+
+1. pick a tree (an index into precompiled `TreeBuffers`: switching costs nothing),
+2. the heads draft the tree's tokens from the context vector `h` of the previous position,
+3. the base model verifies all nodes in one call with the tree's ancestor mask,
+4. accept the longest path whose every token the base model agrees with (greedy: equal to the
+   parent's argmax; typical: probable enough under the parent's distribution),
+5. emit the accepted drafts plus one bonus token from the last accepted node, and compact the
+   KV cache to the accepted path (one gather over all layers).
+
+Under greedy acceptance the output is token-identical to greedy autoregressive decoding, for any
+tree and any per-step choice of tree (up to floating-point ties in an argmax).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.heads import DraftHeads
+from runtime.model import Transformer
+from runtime.tree import TreeBuffers
+
+
+@dataclass
+class TypicalAcceptance:
+    """Medusa/Hydra typical acceptance: accept a child whose probability under the parent's
+    tempered distribution exceeds min(epsilon, alpha * exp(-entropy))."""
+
+    temperature: float = 0.7
+    epsilon: float = 0.09
+    alpha: float = 0.3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("typical acceptance needs temperature > 0; use acceptance='greedy' for temperature 0")
+
+
+@dataclass
+class StepRecord:
+    tree: int          # index of the tree used in this step
+    accepted: int      # accepted draft tokens (tokens emitted this step = accepted + 1)
+    seconds: float     # wall time of the whole step (choose + draft + verify + accept)
+    signal: float      # the value the policy saw (nan for a fixed schedule)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                       # new tokens (EOS included when it stopped on one)
+    steps: list[StepRecord] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per decoding step (accepted drafts + the bonus token); AR = 1.0.
+
+        The first token comes from the prefill and is not counted in any step."""
+        if not self.steps:
+            return float("nan")
+        return (len(self.tokens) - 1) / len(self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens per second, prefill included."""
+        total = self.prefill_seconds + self.decode_seconds
+        return len(self.tokens) / total if total > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def stats(self) -> dict[str, float | int | dict[int, int]]:
+        used: dict[int, int] = {}
+        for s in self.steps:
+            used[s.tree] = used.get(s.tree, 0) + 1
+        return {
+            "new_tokens": len(self.tokens),
+            "steps": len(self.steps),
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "tok_per_s": round(self.tokens_per_second, 2),
+            "decode_tok_per_s": round(self.decode_tokens_per_second, 2),
+            "prefill_s": round(self.prefill_seconds, 4),
+            "trees_used": used,
+        }
+
+
+@dataclass
+class StepState:
+    """What a tree chooser may look at before a step (all cheap Python scalars)."""
+
+    step: int
+    p0: float              # base top-1 probability of the root token
+    entropy: float         # entropy (nats) of the base distribution that produced the root
+    last_accepted: int     # accepted drafts in the previous step (-1 before the first)
+
+
+TreeChooser = Callable[[StepState], tuple[int, float]]  # -> (tree index, signal value)
+
+
+class TreeDecoder:
+    """Greedy (or typical) tree speculative decoding over a fixed list of compiled trees."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        heads: DraftHeads,
+        trees: Sequence[TreeBuffers],
+        acceptance: str | TypicalAcceptance = "greedy",
+    ) -> None:
+        if not trees:
+            raise ValueError("TreeDecoder needs at least one tree")
+        if acceptance != "greedy" and not isinstance(acceptance, TypicalAcceptance):
+            raise ValueError(f"acceptance must be 'greedy' or a TypicalAcceptance, got {acceptance!r}")
+        max_depth = max(len(t.depth_slices) for t in trees)
+        if max_depth > heads.config.num_heads:
+            raise ValueError(f"a tree has depth {max_depth} but the heads draft only {heads.config.num_heads} tokens")
+        self.model = model
+        self.heads = heads
+        self.trees = list(trees)
+        self.acceptance = acceptance
+        # Python-side copies of the small per-tree index lists used in the accept loop: reading
+        # tensors element by element would cost more than the rest of the accept step.
+        self._parents = [t.parents.tolist() for t in self.trees]
+        self._max_nodes = max(int(t.depths.numel()) for t in self.trees)
+        heads.bind(model)
+
+    # ----------------------------------------------------------------------------------------
+    def _accept(self, k: int, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None
+                ) -> tuple[list[int], int]:
+        """Return (accepted node indices from the root, bonus token)."""
+        buf = self.trees[k]
+        parents = buf.parents
+        if self.acceptance == "greedy":
+            pred = logits.argmax(dim=-1)                       # [N]: each node's next token
+            ok = tokens == pred[parents.clamp(min=0)]
+        else:
+            cfg = self.acceptance
+            probs = torch.softmax(logits / cfg.temperature, dim=-1)
+            ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+            thresh = torch.minimum(torch.full_like(ent, cfg.epsilon), cfg.alpha * torch.exp(-ent))
+            par = parents.clamp(min=0)
+            ok = probs[par, tokens] > thresh[par]
+        ok[0] = True
+        # a node counts only when its whole path is accepted: propagate depth by depth
+        for start, end in buf.depth_slices:
+            ok[start:end] &= ok[parents[start:end]]
+        okd = torch.where(ok, buf.depths, -1)
+        best = int(okd.argmax())                               # deepest accepted node (first on ties)
+        path = [best]
+        par_list = self._parents[k]
+        while path[-1] != 0:
+            path.append(par_list[path[-1]])
+        path.reverse()
+        if self.acceptance == "greedy":
+            bonus = int(pred[best])
+        else:
+            p = torch.softmax(logits[best] / self.acceptance.temperature, dim=-1)
+            bonus = int(torch.multinomial(p, 1, generator=gen))
+        return path, bonus
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        choose: TreeChooser | int = 0,
+        eos_ids: Sequence[int] | None = None,
+        stream: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        """Decode up to `max_new_tokens` new tokens after `input_ids`.
+
+        `choose` is a fixed tree index or a callable picking the tree before every step from a
+        `StepState` (a scheduling policy). `stream` receives each step's emitted tokens.
+        """
+        if len(input_ids) == 0:
+            raise ValueError("empty prompt: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        model, heads = self.model, self.heads
+        capacity = model.max_seq_len
+        need = len(input_ids) + max_new_tokens + self._max_nodes
+        if need > capacity:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + largest tree "
+                f"({self._max_nodes} nodes) = {need} exceeds the KV cache capacity {capacity}; "
+                "shorten the prompt, lower max_new_tokens or load the model with a larger max_seq_len"
+            )
+        eos = set(eos_ids if eos_ids is not None else model.args.eos_token_ids)
+        fixed = isinstance(choose, int)
+        if fixed and not 0 <= choose < len(self.trees):
+            raise ValueError(f"tree index {choose} out of range: the decoder has {len(self.trees)} trees")
+        gen = None
+        if isinstance(self.acceptance, TypicalAcceptance):
+            gen = torch.Generator().manual_seed(self.acceptance.seed)
+
+        model.reset_cache()
+        heads.reset()
+        result = GenerationResult(tokens=[])
+        t0 = time.perf_counter()
+        ids = torch.tensor([list(input_ids)], dtype=torch.long)
+        logits, hidden = model(ids, torch.arange(ids.shape[1]))
+        h = heads.observe(hidden, torch.arange(ids.shape[1]))
+        last = logits[0, -1]
+        root = int(last.argmax())
+        state = StepState(step=0, p0=math.nan, entropy=math.nan, last_accepted=-1)
+        if not fixed:
+            state.p0, state.entropy = _top1_and_entropy(last)
+        result.tokens.append(root)
+        result.prefill_seconds = time.perf_counter() - t0
+        if stream:
+            stream([root])
+
+        t_dec = time.perf_counter()
+        while root not in eos and len(result.tokens) < max_new_tokens:
+            ts = time.perf_counter()
+            if fixed:
+                k, signal = choose, math.nan
+            else:
+                k, signal = choose(state)
+            buf = self.trees[k]
+            pos = model.cache_len
+            tokens = heads.propose(h, root, buf)
+            logits, hidden = model(tokens[None], pos + buf.depths, buf.attn_mask)
+            path, bonus = self._accept(k, tokens, logits[0], gen)
+            keep = torch.tensor(path, dtype=torch.long)
+            model.keep_cache(pos, keep)
+            h = heads.observe(hidden[:, keep], pos + torch.arange(len(path)))
+            emitted = tokens[keep[1:]].tolist() + [bonus]
+            # stop at EOS / the token budget, mid-step if need be
+            room = max_new_tokens - len(result.tokens)
+            out: list[int] = []
+            for tok in emitted[:room]:
+                out.append(tok)
+                if tok in eos:
+                    break
+            result.tokens.extend(out)
+            root = out[-1]
+            if not fixed:
+                state.step += 1
+                state.last_accepted = len(path) - 1
+                state.p0, state.entropy = _top1_and_entropy(logits[0, path[-1]])
+            result.steps.append(StepRecord(k, len(path) - 1, time.perf_counter() - ts, signal))
+            if stream:
+                stream(out)
+        result.decode_seconds = time.perf_counter() - t_dec
+        return result
+
+
+def _top1_and_entropy(logits: torch.Tensor) -> tuple[float, float]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    return float(p.max()), float(-(p * logp).sum())
