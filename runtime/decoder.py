@@ -26,7 +26,11 @@ import torch
 
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
+from runtime.policy import Scheduler
 from runtime.tree import TreeBuffers
+
+# signals that read the heads' greedy chain (p_1..p_D) and so cost D extra head evaluations
+HEAD_SIGNALS = ("paper", "greedy_path")
 
 
 @dataclass
@@ -91,19 +95,6 @@ class GenerationResult:
             "prefill_s": round(self.prefill_seconds, 4),
             "trees_used": used,
         }
-
-
-@dataclass
-class StepState:
-    """What a tree chooser may look at before a step (all cheap Python scalars)."""
-
-    step: int
-    p0: float              # base top-1 probability of the root token
-    entropy: float         # entropy (nats) of the base distribution that produced the root
-    last_accepted: int     # accepted drafts in the previous step (-1 before the first)
-
-
-TreeChooser = Callable[[StepState], tuple[int, float]]  # -> (tree index, signal value)
 
 
 class TreeDecoder:
@@ -172,14 +163,14 @@ class TreeDecoder:
         self,
         input_ids: Sequence[int],
         max_new_tokens: int,
-        choose: TreeChooser | int = 0,
+        choose: Scheduler | int = 0,
         eos_ids: Sequence[int] | None = None,
         stream: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
         """Decode up to `max_new_tokens` new tokens after `input_ids`.
 
-        `choose` is a fixed tree index or a callable picking the tree before every step from a
-        `StepState` (a scheduling policy). `stream` receives each step's emitted tokens.
+        `choose` is a fixed tree index or a `Scheduler` (a policy and its signal) that picks the
+        tree before every step. `stream` receives each step's emitted tokens.
         """
         if len(input_ids) == 0:
             raise ValueError("empty prompt: give at least one token")
@@ -198,6 +189,12 @@ class TreeDecoder:
         fixed = isinstance(choose, int)
         if fixed and not 0 <= choose < len(self.trees):
             raise ValueError(f"tree index {choose} out of range: the decoder has {len(self.trees)} trees")
+        if not fixed:
+            if not isinstance(choose, Scheduler):
+                raise ValueError(f"choose must be a tree index or a runtime.policy.Scheduler, got {type(choose).__name__}")
+            choose.policy.check_bank(len(self.trees))
+            choose.reset()
+            reads_heads = choose.signal.name in HEAD_SIGNALS
         gen = None
         if isinstance(self.acceptance, TypicalAcceptance):
             gen = torch.Generator().manual_seed(self.acceptance.seed)
@@ -211,9 +208,8 @@ class TreeDecoder:
         h = heads.observe(hidden, torch.arange(ids.shape[1]))
         last = logits[0, -1]
         root = int(last.argmax())
-        state = StepState(step=0, p0=math.nan, entropy=math.nan, last_accepted=-1)
         if not fixed:
-            state.p0, state.entropy = _top1_and_entropy(last)
+            p0, entropy = _top1_and_entropy(last)
         result.tokens.append(root)
         result.prefill_seconds = time.perf_counter() - t0
         if stream:
@@ -225,7 +221,9 @@ class TreeDecoder:
             if fixed:
                 k, signal = choose, math.nan
             else:
-                k, signal = choose(state)
+                chain = greedy_chain_top1(heads, h, root) if reads_heads else ()
+                signal = choose.signal.observe(p0, chain, entropy)
+                k = choose.policy.choose(signal)
             buf = self.trees[k]
             pos = model.cache_len
             tokens = heads.propose(h, root, buf)
@@ -245,9 +243,8 @@ class TreeDecoder:
             result.tokens.extend(out)
             root = out[-1]
             if not fixed:
-                state.step += 1
-                state.last_accepted = len(path) - 1
-                state.p0, state.entropy = _top1_and_entropy(logits[0, path[-1]])
+                choose.update(len(path) - 1)
+                p0, entropy = _top1_and_entropy(logits[0, path[-1]])
             result.steps.append(StepRecord(k, len(path) - 1, time.perf_counter() - ts, signal))
             if stream:
                 stream(out)
@@ -259,3 +256,20 @@ def _top1_and_entropy(logits: torch.Tensor) -> tuple[float, float]:
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
     return float(p.max()), float(-(p * logp).sum())
+
+
+def greedy_chain_top1(heads: DraftHeads, h: torch.Tensor, root: int) -> list[float]:
+    """p_1..p_D: each head's top-1 probability along the heads' own greedy chain from `root`."""
+    D = heads.config.num_heads
+    h = h.reshape(1, -1)
+    tokens = torch.full((1, D), int(root), dtype=torch.long)
+    probs = []
+    for d in range(1, D + 1):
+        states = heads.head_states(h, tokens, heads=d)[:, -1:]          # head d only
+        p = torch.softmax(heads.output_logits(states, first_head=d)[0, 0].float(), -1)
+        top = p.max(-1)
+        probs.append(float(top.values))
+        if d < D:
+            tok = top.indices if heads.draft_ids is None else heads.draft_ids[top.indices]
+            tokens[0, d] = int(tok)
+    return probs

@@ -1,0 +1,236 @@
+"""Evaluate stage: the paper's Table 1 on our model and machine, on the held-out `eval` split.
+
+Every prompt is decoded by every method in turn (interleaved, so drift of a shared machine hits
+all methods alike). Figures: tok/s with and without prefill, tokens per step, speedups against
+AR and against Hydra's default tree, the share of outputs token-identical to AR, continuation
+perplexity under the base model, and the oracle's replayed figure (best tree per step in
+hindsight over the bank, an upper bound for any policy over it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+
+Decode = Callable[[list[int], int], dict[str, Any]]
+
+
+def _spec_method(decoder, choose) -> Decode:
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        r = decoder.generate(ids, n, choose=choose if isinstance(choose, int) else choose())
+        return {"tokens": r.tokens, "prefill_s": r.prefill_seconds, "decode_s": r.decode_seconds, "steps": len(r.steps),
+                "trees": [s.tree for s in r.steps], "signals": [s.signal for s in r.steps],
+                "accepted": [s.accepted for s in r.steps]}
+    return run
+
+
+def _ar_method(model) -> Decode:
+    from runtime.generate import ar_generate
+
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        marks: list[float] = []
+        t0 = time.perf_counter()
+        toks = ar_generate(model, ids, n, stream=lambda _tok: marks.append(time.perf_counter()))
+        t1 = time.perf_counter()
+        pre = marks[0] - t0 if marks else t1 - t0
+        return {"tokens": toks, "prefill_s": pre, "decode_s": t1 - t0 - pre, "steps": max(len(toks) - 1, 0)}
+    return run
+
+
+def _hf_method(model_dir: Path) -> Decode:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        hf(x)  # prefill alone, to split prefill from decode time
+        pre = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=hf.config.eos_token_id)
+        total = time.perf_counter() - t0
+        toks = out[0, len(ids):].tolist()
+        eos = hf.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        for j, t in enumerate(toks):
+            if t in eos:
+                toks = toks[: j + 1]
+                break
+        return {"tokens": toks, "prefill_s": pre, "decode_s": max(total - pre, 1e-9), "steps": max(len(toks) - 1, 0)}
+    return run
+
+
+@torch.inference_mode()
+def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
+    """Mean negative log-likelihood (nats) of `cont` after `prompt` under the base model."""
+    if not cont:
+        return float("nan")
+    seq = torch.tensor([prompt + cont[:-1]])
+    model.reset_cache()
+    logits, _ = model(seq, torch.arange(seq.shape[1]))
+    logp = torch.log_softmax(logits[0, len(prompt) - 1:].float(), -1)
+    return float(-logp.gather(-1, torch.tensor(cont)[:, None]).mean())
+
+
+def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
+    from pipeline.replay import accept_lengths, oracle_schedule
+    from pipeline.rollout import rollout_prompt
+    from pipeline.run import _calib_rows, load_runtime, resolve_dtype
+    from runtime.bank import TopologyBank
+    from runtime.decoder import TreeDecoder
+    from runtime.policy import policy_from_dict
+    from runtime.schedule import PolicyChooser
+    from runtime.tree import Tree, TreeBuffers
+
+    n_new = int(cfg.evaluate.max_new_tokens)
+    rows = _calib_rows(cfg, int(cfg.profile.eval_prompts), split="eval")
+    model, hydra = load_runtime(cfg)
+    bank = TopologyBank.load(bank_dir, max_depth=hydra.config.num_heads)
+    mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
+
+    methods: dict[str, Decode] = {"AR": _ar_method(model)}
+    if cfg.evaluate.hf_generate:
+        methods["HF generate"] = _hf_method(Path(cfg.artifacts_dir) / "models" / cfg.model.name)
+    try:
+        _, medusa = load_runtime(cfg, heads_name="medusa")
+        methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc]), 0)
+    except FileNotFoundError as e:
+        print(f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
+    hydra_mc = TreeDecoder(model, hydra, [mc])
+    methods["Hydra default"] = _spec_method(hydra_mc, 0)
+    bank_dec = TreeDecoder(model, hydra, bank.buffers)
+    methods["EntMTP*"] = _spec_method(bank_dec, bank.best_static)
+    labels = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
+    for name, label in labels.items():
+        if name in bank.policies:
+            pol = bank.policies[name]
+            methods[label] = _spec_method(bank_dec, lambda pol=pol: PolicyChooser(policy_from_dict(pol), hydra))
+
+    names = list(methods)
+    recs: dict[str, list[dict]] = {m: [] for m in names}
+    # warm-up: one short run of every method (allocator, kernels)
+    for m in names:
+        methods[m](rows[0]["input_ids"], 8)
+    for row in tqdm(rows, desc=f"evaluate {cfg.task.name}", unit="prompt"):
+        for m in names:
+            r = methods[m](row["input_ids"], n_new)
+            r["id"] = row["id"]
+            recs[m].append(r)
+    # the oracle over the bank, replayed on the AR continuations of the eval prompts
+    costs = [f["step_ms"] / 1000 for f in bank.figures]
+    oracle_time, oracle_tokens, oracle_steps = 0.0, 0, 0
+    ar_tokens = {r["id"]: r["tokens"] for r in recs["AR"]}
+    for row in rows:
+        ro = rollout_prompt(model, hydra, row["input_ids"], n_new, int(cfg.profile.rank_cap))
+        acc = np.stack([accept_lengths(ro["rank_paths"], t.paths) for t in bank.trees])
+        t_min, sched = oracle_schedule(acc, np.asarray(costs))
+        oracle_time += t_min
+        oracle_tokens += len(ro["tokens"]) - 1
+        oracle_steps += len(sched)
+        if ro["tokens"].tolist() != ar_tokens[row["id"]]:
+            print(f"[evaluate] note: rollout and AR differ on {row['id']} (float tie)")
+
+    ar = recs["AR"]
+    rows_out = []
+    for m in names:
+        rs = recs[m]
+        toks = sum(len(r["tokens"]) for r in rs)
+        dec_toks = sum(max(len(r["tokens"]) - 1, 0) for r in rs)
+        total_s = sum(r["prefill_s"] + r["decode_s"] for r in rs)
+        dec_s = sum(r["decode_s"] for r in rs)
+        identical = sum(r["tokens"] == a["tokens"] for r, a in zip(rs, ar))
+        nll = statistics.mean(continuation_nll(model, row["input_ids"], r["tokens"]) for row, r in zip(rows, rs))
+        rows_out.append({
+            "method": m, "tok_per_s": toks / total_s, "decode_tok_per_s": dec_toks / dec_s if dec_s else math.nan,
+            "tokens_per_step": dec_toks / max(sum(r["steps"] for r in rs), 1),
+            "identical_to_ar": identical / len(rs), "ppl": math.exp(nll), "prompts": len(rs), "new_tokens": toks,
+        })
+    df = pd.DataFrame(rows_out)
+    ar_speed = df.loc[df.method == "AR", "tok_per_s"].item()
+    hyd = df.loc[df.method == "Hydra default", "tok_per_s"].item()
+    df["speedup_vs_ar"] = df.tok_per_s / ar_speed
+    df["vs_hydra_default"] = df.tok_per_s / hyd
+    ar_dec = df.loc[df.method == "AR", "decode_tok_per_s"].item()
+    oracle_dec = oracle_tokens / oracle_time if oracle_time else math.nan
+    oracle_row = {"method": "oracle (replayed)", "decode_tok_per_s": oracle_dec,
+                  "tokens_per_step": oracle_tokens / max(oracle_steps, 1), "speedup_vs_ar": oracle_dec / ar_dec}
+    df = pd.concat([df, pd.DataFrame([oracle_row])], ignore_index=True)
+    df["task"] = cfg.task.name
+    atomic_write_bytes(out / "table.csv", df.to_csv(index=False).encode())
+    atomic_write_bytes(out / "table.md", table_markdown(df, cfg, resolve_dtype(cfg)).encode())
+    atomic_write_json(out / "traces.json", {m: [{k: v for k, v in r.items() if k != "tokens"} for r in recs[m]] for m in names})
+    plot_methods(df, out / "methods.png", cfg.task.name)
+    dyn = [label for label in labels.values() if label in names]
+    if dyn:
+        plot_schedule(recs[dyn[0]][0], bank, out / "schedule.png", dyn[0])
+    print(table_markdown(df, cfg, resolve_dtype(cfg)))
+    return {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}
+
+
+def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
+    m = machine_info()
+    head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, greedy, batch 1, {dtype}, "
+            f"{m['cpu']} ({m['torch_threads']} threads), {int(cfg.profile.eval_prompts)} eval prompts x "
+            f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n")
+    cols = ["method", "tok_per_s", "decode_tok_per_s", "tokens_per_step", "speedup_vs_ar", "vs_hydra_default", "identical_to_ar", "ppl"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(str(v) if isinstance(v, str) else ("" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot_methods(df: pd.DataFrame, path: Path, task: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = df[df.method != "oracle (replayed)"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(d.method, d.tok_per_s, color=["gray" if m in ("AR", "HF generate") else "tab:blue" for m in d.method])
+    for x, (v, tps) in enumerate(zip(d.tok_per_s, d.tokens_per_step)):
+        ax.text(x, v, f"{v:.1f}\n({tps:.2f}/step)", ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("tok/s (prefill included)")
+    ax.set_title(f"{task}: methods side by side")
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_schedule(rec: dict, bank, path: Path, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(9, 3.5))
+    steps = range(len(rec["trees"]))
+    ax1.step(steps, [bank.trees[k].num_nodes for k in rec["trees"]], where="post", color="tab:blue", label="tree nodes")
+    ax1.set_xlabel("decoding step")
+    ax1.set_ylabel("tree nodes", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.plot(steps, rec["signals"], color="tab:orange", lw=0.8, label="signal")
+    ax2.set_ylabel("signal", color="tab:orange")
+    ax1.set_title(f"{label}: tree chosen along one generation ({rec['id']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
