@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import fingerprint_dir, fingerprint_files, read_json, run_stage
+from pipeline.artifacts import run_stage
+from runtime.fingerprint import files_fingerprint, weights_fingerprint
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 
@@ -92,7 +93,7 @@ def provision_model(cfg: dict[str, Any], artifacts_dir: str | Path = "artifacts"
     def build_and_fingerprint(tmp: Path) -> dict[str, Any]:
         summary = build(tmp)
         validate_model_dir(tmp)
-        summary["fingerprint"] = fingerprint_dir(tmp)
+        summary["fingerprint"] = files_fingerprint(sorted(tmp.glob("*.safetensors")))
         return summary
 
     run_stage("model", out, key, build_and_fingerprint, force=force)
@@ -101,9 +102,4 @@ def provision_model(cfg: dict[str, Any], artifacts_dir: str | Path = "artifacts"
 
 def model_fingerprint(model_dir: str | Path) -> str:
     """The weights fingerprint recorded by the model stage (computed if there is no manifest)."""
-    m = Path(model_dir) / "manifest.json"
-    if m.is_file():
-        fp = read_json(m).get("summary", {}).get("fingerprint")
-        if fp:
-            return fp
-    return fingerprint_files(sorted(Path(model_dir).glob("*.safetensors")))
+    return weights_fingerprint(model_dir)

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from functools import cache
 from pathlib import Path
@@ -18,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.artifacts import atomic_write_json, hash_obj, machine_info, read_json, run_stage
 from pipeline.model import model_fingerprint, provision_model
 from pipeline.paths import Layout
+from runtime.fingerprint import heads_fingerprint
 
 STAGE_ORDER = ("model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank", "evaluate")
 
@@ -151,7 +151,7 @@ def _inputs_key(cfg: DictConfig) -> dict[str, Any]:
     calib = read_split(Path(cfg.data_dir), lay.task, "calib")
     return {
         "model": model_fingerprint(lay.model_dir),
-        "heads": read_json(Path(heads_dir) / "config.json").get("fingerprint") or hash_obj(sorted(os.listdir(heads_dir))),
+        "heads": heads_fingerprint(heads_dir),
         "calib": hash_obj([r["input_ids"] for r in calib]),
         "dtype": resolve_dtype(cfg),
         "profile": _c(cfg.profile),
@@ -336,7 +336,10 @@ def stage_bank(cfg: DictConfig) -> Path:
             provenance={
                 "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
                 "model_fingerprint": model_fingerprint(lay.model_dir),
-                "heads_fingerprint": read_json(Path(heads_dir) / "config.json").get("fingerprint"),
+                "heads_fingerprint": heads_fingerprint(heads_dir),
+                # relative to the bank folder, so a moved checkout still finds its weights
+                "model_dir": os.path.relpath(lay.model_dir.resolve(), lay.bank_dir.resolve()),
+                "heads_dir": os.path.relpath(Path(heads_dir).resolve(), lay.bank_dir.resolve()),
                 "calib_hash": _inputs_key(cfg)["calib"], "dtype": resolve_dtype(cfg), "machine": machine_info(),
                 "config": _c(cfg),
             },

@@ -1,0 +1,170 @@
+"""Public API: load a model, its draft heads and a TopologyBank, then generate.
+
+    from runtime import EntMTP
+    engine = EntMTP.load("artifacts/banks/smollm2-135m-instruct/hydra/humaneval")
+    out = engine.generate("Write a function that reverses a string.", max_new_tokens=128)
+    print(out.text, out.stats)
+
+A bank records which model and heads it was built for (provenance), so the bank folder alone is
+enough; `model_dir=` / `heads_dir=` override those paths (the fingerprints are still checked).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.bank import BankError, TopologyBank
+from runtime.decoder import GenerationResult, TreeDecoder
+from runtime.fingerprint import heads_fingerprint, weights_fingerprint
+from runtime.heads import DraftHeads, load_heads
+from runtime.model import Transformer, load_model, load_tokenizer
+from runtime.policy import Scheduler, policy_from_dict
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    stats: dict[str, Any] = field(default_factory=dict)
+    result: GenerationResult | None = None
+
+
+def render_chat(model_dir: Path, prompt: str, system: str | None = None) -> str:
+    """Render one user turn with the model's own chat template (Jinja, as transformers does)."""
+    tpl_file = model_dir / "chat_template.jinja"
+    template = None
+    if tpl_file.is_file():
+        template = tpl_file.read_text(encoding="utf-8")
+    else:
+        cfg = model_dir / "tokenizer_config.json"
+        if cfg.is_file():
+            template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+    if not template:
+        return prompt
+    import jinja2  # a torch dependency; imported here so plain-ids users never need it
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+
+
+class EntMTP:
+    """A model + draft heads + TopologyBank, ready to decode losslessly with per-step tree choice."""
+
+    def __init__(self, model: Transformer, heads: DraftHeads, bank: TopologyBank, tokenizer: Any = None,
+                 model_dir: Path | None = None) -> None:
+        self.model, self.heads, self.bank, self.tokenizer = model, heads, bank, tokenizer
+        self.model_dir = model_dir
+        self.decoder = TreeDecoder(model, heads, bank.buffers)
+
+    @classmethod
+    def load(
+        cls,
+        bank_dir: str | Path,
+        model_dir: str | Path | None = None,
+        heads_dir: str | Path | None = None,
+        dtype: str | None = None,
+        max_seq_len: int = 2048,
+        force: bool = False,
+    ) -> EntMTP:
+        """Load the bank, then the model and heads it was built for (paths from its provenance
+        unless given). `dtype` defaults to the bank's (the one its figures were measured in)."""
+        bank_dir = Path(bank_dir)
+        probe = TopologyBank.load(bank_dir, force=True)  # read provenance first: where are the weights?
+        prov = probe.provenance
+        # recorded paths are relative to the bank folder
+        model_dir = Path(model_dir) if model_dir else bank_dir / prov.get("model_dir", "(none recorded)")
+        heads_dir = Path(heads_dir) if heads_dir else bank_dir / prov.get("heads_dir", "(none recorded)")
+        for what, p in (("model", model_dir), ("heads", heads_dir)):
+            if not p.is_dir():
+                raise BankError(f"the {what} folder {p} for bank {bank_dir} does not exist; "
+                                f"pass {what}_dir=... or rebuild with `make bank`")
+        dt = dtype or prov.get("dtype") or "float32"
+        if dt not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dt!r}")
+        model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len)
+        heads = load_heads(heads_dir, model=model)
+        bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_dir),
+                                 heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.config.num_heads,
+                                 force=force)
+        return cls(model, heads, bank, load_tokenizer(model_dir), model_dir)
+
+    def scheduler(self, policy: str | None = None) -> Scheduler | int:
+        """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput), an
+        integer tree index as a string, or None for the bank's default."""
+        name = policy or self.bank.default_policy
+        if name.isdigit():
+            k = int(name)
+            if not 0 <= k < len(self.bank.trees):
+                raise ValueError(f"tree index {k} out of range: the bank has {len(self.bank.trees)} trees")
+            return k
+        if name == "static" and "static" not in self.bank.policies:
+            return self.bank.best_static
+        if name not in self.bank.policies:
+            raise ValueError(f"unknown policy {name!r}; this bank has: {', '.join(['static', *sorted(self.bank.policies)])} "
+                             "or a tree index")
+        return Scheduler(policy_from_dict(self.bank.policies[name]), len(self.bank.trees))
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give some text or token ids")
+            if self.tokenizer is None:
+                raise ValueError("no tokenizer loaded: pass token ids instead of text")
+            text = render_chat(self.model_dir, prompt) if chat and self.model_dir else prompt
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token id")
+        return ids
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        policy: str | None = None,
+        stream: Callable[[str], None] | None = None,
+        chat: bool = True,
+    ) -> Generation:
+        """Decode greedily (lossless: same tokens as plain greedy decoding). `prompt` is text
+        (rendered with the chat template unless chat=False) or token ids. `stream` gets text pieces."""
+        ids = self.encode(prompt, chat)
+        on_tokens = None
+        if stream is not None:
+            if self.tokenizer is None:
+                raise ValueError("streaming text needs a tokenizer")
+            emitted: list[int] = []
+            printed = [0]
+
+            def on_tokens(toks: list[int]) -> None:
+                emitted.extend(toks)
+                text = self.tokenizer.decode(emitted)
+                stream(text[printed[0]:])
+                printed[0] = len(text)
+
+        res = self.decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens)
+        text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
+        stats = res.stats()
+        stats["trees_used"] = {self.bank.trees[k].num_nodes: n for k, n in stats["trees_used"].items()}
+        return Generation(text=text, tokens=res.tokens, stats=stats, result=res)
+
+    def generate_ar(self, prompt: str | Sequence[int], max_new_tokens: int = 128, chat: bool = True) -> Generation:
+        """Plain greedy autoregressive decoding on the same model, for comparison."""
+        from runtime.generate import ar_generate
+
+        ids = self.encode(prompt, chat)
+        t0 = time.perf_counter()
+        toks = ar_generate(self.model, ids, max_new_tokens)
+        dt = time.perf_counter() - t0
+        text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
+        return Generation(text=text, tokens=toks, stats={"new_tokens": len(toks), "tok_per_s": round(len(toks) / dt, 2),
+                                                          "tokens_per_step": 1.0})

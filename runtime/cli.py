@@ -1,0 +1,95 @@
+"""`entmtp` command line: generate with a bank, inspect a bank, export its trees.
+
+  entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra/humaneval --prompt "..." [--policy hysteresis] [--compare-ar]
+  entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra/humaneval
+  entmtp export   artifacts/banks/.../humaneval --format vllm [--tree best|K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from runtime.bank import BankError, TopologyBank
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from runtime.api import EntMTP
+
+    engine = EntMTP.load(args.bank, model_dir=args.model, heads_dir=args.heads, dtype=args.dtype, force=args.force)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    out = engine.generate(prompt, args.max_new_tokens, policy=args.policy, chat=not args.raw,
+                          stream=lambda s: print(s, end="", flush=True))
+    print()
+    print(f"\n[entmtp] {json.dumps(out.stats)}", file=sys.stderr)
+    if args.compare_ar:
+        ar = engine.generate_ar(prompt, args.max_new_tokens, chat=not args.raw)
+        same = "identical" if ar.tokens == out.tokens else "DIFFERENT (see README: floating-point ties)"
+        print(f"[entmtp] AR {ar.stats['tok_per_s']} tok/s vs EntMTP {out.stats['tok_per_s']} tok/s "
+              f"({out.stats['tok_per_s'] / ar.stats['tok_per_s']:.2f}x); output {same}", file=sys.stderr)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    bank = TopologyBank.load(args.bank, force=True)
+    print(bank.summary())
+    prov = bank.provenance
+    print(f"  built for model {prov.get('model_fingerprint')} / heads {prov.get('heads_fingerprint')}, "
+          f"dtype {prov.get('dtype')}, torch {prov.get('machine', {}).get('torch')}")
+    for name, pol in bank.policies.items():
+        print(f"  policy {name}: {json.dumps(pol)}")
+    if bank.oracle:
+        print(f"  oracle: {json.dumps(bank.oracle)}")
+    plots = sorted(Path(args.bank).glob("*.png"))
+    for p in plots:
+        print(f"  plot: {p}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from runtime.export import export_tree
+
+    bank = TopologyBank.load(args.bank, force=True)
+    k = bank.best_static if args.tree == "best" else int(args.tree)
+    if not 0 <= k < len(bank.trees):
+        raise BankError(f"tree {k} out of range: the bank has {len(bank.trees)} trees (0..{len(bank.trees) - 1})")
+    out = export_tree(bank.trees[k], args.format)
+    print(out if isinstance(out, str) else json.dumps(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="entmtp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="decode a prompt with a bank, streaming text")
+    g.add_argument("--bank", required=True, help="bank folder (artifacts/banks/<model>/<heads>/<task>)")
+    g.add_argument("--prompt", help="prompt text (default: read stdin)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--policy", default=None, help="static | ladder | hysteresis | expected_throughput | a tree index")
+    g.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print both speeds")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--model", default=None, help="model folder (default: the bank's)")
+    g.add_argument("--heads", default=None, help="heads folder (default: the bank's)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--force", action="store_true", help="use a bank built for other weights (still lossless)")
+    g.set_defaults(fn=_generate)
+    i = sub.add_parser("inspect", help="print a bank's trees, figures, policies, provenance and plots")
+    i.add_argument("bank")
+    i.set_defaults(fn=_inspect)
+    e = sub.add_parser("export", help="print a bank tree for a serving engine")
+    e.add_argument("bank")
+    e.add_argument("--format", default="vllm", choices=["vllm", "trtllm", "json"])
+    e.add_argument("--tree", default="best", help="'best' (EntMTP*) or a tree index")
+    e.set_defaults(fn=_export)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (BankError, ValueError, FileNotFoundError) as err:
+        print(f"entmtp: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
