@@ -26,8 +26,8 @@ then cut into eval (first `pools.eval`), calib (next `pools.calib`) and train (t
 at `pools.train`). The pools have fixed sizes that do not depend on the profile; a profile takes
 the first n rows of a pool (`read_split(..., limit=n)`), so the train split, which trains the
 draft heads, is disjoint from the calib and eval rows of every profile. Records are de-duplicated
-by id and by text (first occurrence kept) before the shuffle, so no prompt text can sit in two
-pools. Over-long prompts that the `skip` policy drops leave their pool smaller: they are never
+by id and by text (first occurrence kept; texts equal up to whitespace and case count as
+duplicates) before the shuffle, so no prompt text can sit in two pools. Over-long prompts that the `skip` policy drops leave their pool smaller: they are never
 back-filled from train, which would make train depend on the profile.
 
 Reading. `jsonl` and `jsonl.gz` are read with `datasets.load_dataset("json", ...)` (into a
@@ -78,7 +78,7 @@ LOADERS = ("auto", "datasets", "plain")
 OVERLONG_POLICIES = ("truncate", "skip")
 DEFAULT_TRAIN_CAP = 400
 # Bump when the output of the stage changes for the same inputs, so old data/ folders rebuild.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -444,7 +444,7 @@ def _extract_records(cfg: dict[str, Any], path: Path) -> tuple[list[dict[str, An
         if rid in seen_ids:
             stats["skipped_duplicate_id"] += 1
             continue
-        key = text.strip()
+        key = " ".join(text.split()).casefold()  # duplicates that differ only in spacing or case count too
         if key in seen_texts:
             stats["skipped_duplicate_text"] += 1
             continue
