@@ -27,8 +27,9 @@ at `pools.train`). The pools have fixed sizes that do not depend on the profile;
 the first n rows of a pool (`read_split(..., limit=n)`), so the train split, which trains the
 draft heads, is disjoint from the calib and eval rows of every profile. Records are de-duplicated
 by id and by text (first occurrence kept; texts equal up to whitespace and case count as
-duplicates) before the shuffle, so no prompt text can sit in two pools. Over-long prompts that the `skip` policy drops leave their pool smaller: they are never
-back-filled from train, which would make train depend on the profile.
+duplicates) before the shuffle, so no prompt text can sit in two pools. Over-long prompts that
+the `skip` policy drops leave their pool smaller: they are never back-filled from train, which
+would make train depend on the profile.
 
 Reading. `jsonl` and `jsonl.gz` are read with `datasets.load_dataset("json", ...)` (into a
 throw-away cache folder). That library rejects a whole file when one line holds bytes that are
