@@ -19,6 +19,7 @@ from pipeline.model import model_fingerprint, provision_model
 from pipeline.paths import Layout
 from runtime.fingerprint import heads_fingerprint
 
+TRAIN_TASKS = ("humaneval", "gsm8k", "sharegpt")
 STAGE_ORDER = ("model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank", "evaluate")
 
 
@@ -87,17 +88,21 @@ def stage_prepare(cfg: DictConfig) -> Path:
 
 
 @memo_stage
-def stage_heads(cfg: DictConfig, heads_cfg: dict | None = None) -> Path:
-    """Use shipped heads when their base fingerprint matches, else train them."""
+def stage_heads(cfg: DictConfig) -> Path:
+    """The heads folder: `heads.dir` if given, else shipped heads whose base fingerprint matches,
+    else trained now (which first prepares the training pools of every task)."""
+    from pipeline.prepare import load_task_config, prepare_task
     from pipeline.train_heads import train_heads
 
     model_dir = stage_model(cfg)
-    hc = heads_cfg or _c(cfg.heads)
-    for task in ("humaneval", "gsm8k", "sharegpt"):  # the training mix reads every task's train pool
-        task_cfg = _c(OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "task" / f"{task}.yaml"))
-        from pipeline.prepare import prepare_task
-
-        prepare_task(task_cfg, _c(cfg.profile), model_dir, Path(cfg.data_dir))
+    hc = _c(cfg.heads)
+    if hc.get("dir"):
+        d = Path(hc["dir"])
+        if not (d / "config.json").is_file():
+            raise SystemExit(f"heads.dir={d} holds no heads (config.json + heads.safetensors)")
+        return d
+    for task in TRAIN_TASKS:  # the training mix reads every task's train pool
+        prepare_task(load_task_config(task), _c(cfg.profile), model_dir, Path(cfg.data_dir))
     return train_heads(hc, model_dir, Path(cfg.data_dir), Path(cfg.artifacts_dir), force=_force(cfg, "heads"))
 
 
@@ -161,8 +166,7 @@ def _inputs_key(cfg: DictConfig) -> dict[str, Any]:
 def _calib_rows(cfg: DictConfig, n: int | None = None, split: str = "calib") -> list[dict]:
     from pipeline.prepare import read_split
 
-    rows = read_split(Path(cfg.data_dir), cfg.task.name, split)
-    return rows[:n] if n is not None else rows
+    return read_split(Path(cfg.data_dir), cfg.task.name, split, limit=n)
 
 
 @memo_stage
