@@ -5,8 +5,8 @@ step costs (see `pipeline.replay` for the counting). Fitted per signal, best kep
 
 * static: the single best tree (EntMTP*);
 * hysteresis (EntMTPτ): every (small, large) pair of bank trees, τ_on = τ_off = τ over the
-  paper's grid {0.001, 0.005, 0.01, 0.02, 0.05} and the signal's quantiles; then τ_off < τ_on
-  over the same grid for the best pair;
+  paper's grid {0.001, 0.005, 0.01, 0.02, 0.05} and the signal's quantiles; then a dead band
+  τ_off < τ_on around the best τ for the best pair;
 * ladder (EntMTP-l): K - 1 thresholds over all K trees, coordinate search over the signal's
   quantiles (plus values outside the signal's range, so a ladder can skip a tree);
 * expected_throughput: signal buckets at quantiles, per bucket and tree the mean tokens per step,
@@ -32,12 +32,13 @@ from runtime.policy import (
     Policy,
     StaticPolicy,
     make_signal,
+    validate_policy_config,
 )
 
 PAPER_TAUS = (0.001, 0.005, 0.01, 0.02, 0.05)
 DEFAULT_SIGNALS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("paper", {}),  # = p0 (see runtime.policy.paper_signal)
-    ("path_value", {}),
+    ("greedy_path", {}),
     ("accept_ema", {"alpha": 0.5, "init": 1.0}),
     ("entropy_ema", {"alpha": 0.5}),
 )
@@ -102,26 +103,35 @@ class _Fitter:
 
 
 def fit_hysteresis(
-    fitter: _Fitter, signal: str, params: dict[str, Any], grid: list[float], paper_only: bool = False
+    fitter: _Fitter,
+    signal: str,
+    params: dict[str, Any],
+    grid: list[float],
+    paper_only: bool = False,
+    taus: Sequence[float] = PAPER_TAUS,
+    band_width: int = 4,
 ) -> tuple[Policy, PolicyReplay] | None:
+    """Best (small, large, tau) with tau_on = tau_off = tau over `taus` (plus `grid` unless
+    paper_only), then, unless paper_only, a dead band: tau_on up to band_width grid steps above
+    the best tau and tau_off up to band_width below it."""
     n = fitter.data.n_trees
     if n < 2:
         return None
-    taus = sorted(set(PAPER_TAUS) | (set() if paper_only else set(grid)))
+    taus = sorted(set(taus) | (set() if paper_only else set(grid)))
     pairs = [(s, l) for s in range(n) for l in range(s + 1, n)]
     found = fitter.best([HysteresisPolicy(t, t, s, l, signal, params) for s, l in pairs for t in taus])
     if found is None or paper_only:
         return found
     pol, _ = found
-    # a dead band: tau_off < tau_on, for the best pair only
+    # a dead band tau_off < tau_on around the best tau, for the best pair only
+    j = taus.index(pol.tau_on)
     band = [
-        HysteresisPolicy(on, off, pol.small, pol.large, signal, params)
-        for on in taus
-        for off in taus
+        HysteresisPolicy(taus[on], taus[off], pol.small, pol.large, signal, params)
+        for on in range(j, min(j + band_width + 1, len(taus)))
+        for off in range(max(j - band_width, 0), j + 1)
         if off < on
     ]
-    cand = fitter.best([pol] + band)
-    return cand
+    return fitter.best([pol] + band)
 
 
 def fit_ladder(
@@ -196,21 +206,35 @@ def fit_policies(
     rollouts: dict | Sequence[dict] | BankReplay,
     trees: Sequence[Any] | None,
     step_costs: Sequence[float] | np.ndarray,
-    signals: Sequence[tuple[str, dict[str, Any]]] = DEFAULT_SIGNALS,
+    signals: Sequence[tuple[str, dict[str, Any]]] | dict[str, Sequence[tuple[str, dict[str, Any]]]] = DEFAULT_SIGNALS,
     rank_cap: int | None = None,
     n_quantiles: int = 16,
+    tau_grid: Sequence[float] = PAPER_TAUS,
+    fine_search: bool = True,
+    bucket_counts: Sequence[int] = (2, 4, 8),
 ) -> dict[str, Any]:
     """Fit every policy kind over the bank `trees` (ordered by size) with measured `step_costs`.
 
-    Returns a JSON-able dict: per kind ("static", "hysteresis", "hysteresis_paper_grid",
-    "ladder", "expected_throughput") the best policy dict with its replayed figures (steps,
-    tokens, tokens_per_step, time_s, tokens_per_second, tree_share), "oracle" figures,
-    "best_kind" (highest replayed tokens per second) and "n_replays".
+    signals: the (name, params) pairs to try, for every kind, or a dict kind -> pairs.
+    tau_grid: the hysteresis grid (the paper's by default); fine_search adds the signal's
+    quantiles to the hysteresis grid and lets the ladder search them (without it the ladder
+    searches tau_grid only).
+
+    Returns a JSON-able dict: per kind ("static", "hysteresis", "ladder", "expected_throughput")
+    the best policy dict over the signals with its replayed figures (steps, tokens,
+    tokens_per_step, time_s, tokens_per_second, tree_share); "hysteresis_paper_grid" (τ_on = τ_off
+    on tau_grid only: the paper's recipe); "oracle" figures; "best_kind" (highest replayed tokens
+    per second, the static policy on ties) and "n_replays".
     """
     data = rollouts if isinstance(rollouts, BankReplay) else BankReplay.build(rollouts, trees or [], rank_cap)
     costs = np.asarray(step_costs, dtype=np.float64)
     if costs.shape != (data.n_trees,) or not np.all(np.isfinite(costs)) or np.any(costs <= 0):
         raise ValueError(f"step_costs must be {data.n_trees} positive seconds (one per bank tree), got {step_costs!r}")
+    kinds = ("hysteresis", "hysteresis_paper_grid", "ladder", "expected_throughput")
+    per_kind = signals if isinstance(signals, dict) else {k: signals for k in kinds}
+    per_kind = {k: list(per_kind.get(k, ())) for k in kinds}
+    if "hysteresis" in (signals if isinstance(signals, dict) else {}) and "hysteresis_paper_grid" not in signals:
+        per_kind["hysteresis_paper_grid"] = per_kind["hysteresis"]
     fitter = _Fitter(data, costs)
     out: dict[str, Any] = {}
 
@@ -219,25 +243,83 @@ def fit_policies(
     out["static"] = _entry(*static)
     ref_tree = static[0].index
 
-    fits: dict[str, list[tuple[Policy, PolicyReplay]]] = {"hysteresis": [], "hysteresis_paper_grid": [], "ladder": [], "expected_throughput": []}
-    for name, params in signals:
-        pooled, visits, values = signal_trace(data, name, params, ref_tree)
-        grid = quantile_grid(pooled, n_quantiles)
-        for kind, fitted in (
-            ("hysteresis", fit_hysteresis(fitter, name, params, grid)),
-            ("hysteresis_paper_grid", fit_hysteresis(fitter, name, params, grid, paper_only=True)),
-            ("ladder", fit_ladder(fitter, name, params, grid)),
-            ("expected_throughput", fit_expected_throughput(fitter, name, params, visits, values)),
-        ):
+    traces: dict[tuple[str, str], tuple] = {}
+
+    def trace(name: str, params: dict[str, Any]) -> tuple:
+        key = (name, repr(sorted(params.items())))
+        if key not in traces:
+            pooled, visits, values = signal_trace(data, name, params, ref_tree)
+            traces[key] = (quantile_grid(pooled, n_quantiles), visits, values)
+        return traces[key]
+
+    taus = list(tau_grid)
+    for kind in kinds:
+        cands = []
+        for name, params in per_kind[kind]:
+            grid, visits, values = trace(name, params)
+            if kind == "hysteresis":
+                fitted = fit_hysteresis(fitter, name, params, grid if fine_search else [], taus=taus)
+            elif kind == "hysteresis_paper_grid":
+                fitted = fit_hysteresis(fitter, name, params, [], paper_only=True, taus=taus)
+            elif kind == "ladder":
+                fitted = fit_ladder(fitter, name, params, grid if fine_search else sorted(set(taus)))
+            else:
+                fitted = fit_expected_throughput(fitter, name, params, visits, values, bucket_counts)
             if fitted is not None:
-                fits[kind].append(fitted)
-    for kind, cands in fits.items():
+                cands.append(fitted)
         if cands:
             pol, rep = max(cands, key=lambda pr: pr[1].tokens_per_second)
             out[kind] = _entry(pol, rep)
 
     out["oracle"] = oracle_replay(data, None, costs).summary()
-    kinds = [k for k in ("static", "hysteresis", "ladder", "expected_throughput") if k in out]
-    out["best_kind"] = max(kinds, key=lambda k: out[k]["tokens_per_second"])
+    ranked = [k for k in ("static", "hysteresis", "ladder", "expected_throughput") if k in out]
+    out["best_kind"] = max(ranked, key=lambda k: out[k]["tokens_per_second"])
     out["n_replays"] = fitter.n_replays
     return out
+
+
+def fit_all_policies(
+    rollouts: dict | Sequence[dict] | BankReplay,
+    trees: Sequence[Any] | None,
+    step_costs: Sequence[float] | np.ndarray,
+    policy_cfg: dict[str, Any] | None = None,
+    rank_cap: int | None = None,
+) -> dict[str, Any]:
+    """What the bank stage stores: every policy kind fitted, plus the oracle.
+
+    policy_cfg is a `conf/policy` group (see `runtime.policy.validate_policy_config`): its kind
+    (`name`) is fitted on its own `signal` only, so the bank's default policy is the configured
+    recipe; the other kinds take the best of DEFAULT_SIGNALS. Returns {"policies": {kind:
+    {"policy": dict, "replay": figures}}, "oracle": figures, "best_kind", "hysteresis_paper_grid",
+    "n_replays"}.
+    """
+    cfg = dict(policy_cfg or {"name": "hysteresis", "signal": "paper"})
+    validate_policy_config(cfg)
+    name = cfg["name"]
+    own = [(cfg.get("signal", "paper"), dict(cfg.get("signal_params") or {}))]
+    kinds = ("hysteresis", "hysteresis_paper_grid", "ladder", "expected_throughput")
+    signals = {k: (own if k == name or (k == "hysteresis_paper_grid" and name == "hysteresis") else DEFAULT_SIGNALS) for k in kinds}
+    nb = cfg.get("num_buckets")
+    fitted = fit_policies(
+        rollouts,
+        trees,
+        step_costs,
+        signals=signals,
+        rank_cap=rank_cap,
+        n_quantiles=int(cfg.get("n_quantiles", 16)),
+        tau_grid=tuple(cfg.get("tau_grid") or PAPER_TAUS),
+        fine_search=bool(cfg.get("fine_search", True)),
+        bucket_counts=(int(nb),) if nb is not None and name == "expected_throughput" else (2, 4, 8),
+    )
+    policies = {
+        k: {"policy": fitted[k]["policy"], "replay": {f: v for f, v in fitted[k].items() if f != "policy"}}
+        for k in ("static", "hysteresis", "ladder", "expected_throughput")
+        if k in fitted
+    }
+    return {
+        "policies": policies,
+        "oracle": fitted["oracle"],
+        "best_kind": fitted["best_kind"],
+        "hysteresis_paper_grid": fitted.get("hysteresis_paper_grid"),
+        "n_replays": fitted["n_replays"],
+    }

@@ -192,10 +192,19 @@ def grow_all_depths(
 # ----------------------------------------------------------------------------- position-uniform optimum
 
 
-def _prefix_counts(rank_paths: np.ndarray | Sequence[np.ndarray], max_depth: int, rank_cap: int | None) -> tuple[dict[Path, int], int]:
-    arrays = [rank_paths] if isinstance(rank_paths, np.ndarray) else list(rank_paths)
-    if not arrays:
+def _rank_arrays(rank_paths: Any, rank_cap: int | None) -> tuple[list[np.ndarray], int | None]:
+    """Arrays [T, D] from one array, a list of arrays, or rollout dicts (whose K is then known)."""
+    items = [rank_paths] if isinstance(rank_paths, (np.ndarray, dict)) else list(rank_paths)
+    if not items:
         raise ValueError("no rank paths given")
+    if all(isinstance(x, dict) for x in items):
+        rolls = as_rollouts(items)
+        return [r["rank_paths"] for r in rolls], rank_cap_of(rolls, rank_cap)
+    return [np.asarray(x) for x in items], rank_cap
+
+
+def _prefix_counts(rank_paths: Any, max_depth: int, rank_cap: int | None) -> tuple[dict[Path, int], int]:
+    arrays, rank_cap = _rank_arrays(rank_paths, rank_cap)
     arrays = [np.asarray(x) for x in arrays]
     if any(x.ndim != 2 for x in arrays):
         raise ValueError("rank_paths must be int arrays [T, D]")
@@ -274,8 +283,10 @@ def _best_closed_subset(counts: dict[Path, int], budget: int) -> list[Path]:
             arg[s1 : s1 + m][better] = s1
         f[v] = np.concatenate([[0], counts.get(v, 0) + g])
         split[v] = arg
+    if (0,) not in f:
+        return []
     chosen: list[Path] = []
-    stack = [((0,), budget)]
+    stack = [((0,), min(budget, len(f[(0,)]) - 1))]
     while stack:
         v, s = stack.pop()
         if s == 0:
@@ -301,7 +312,9 @@ def top_count_tree(
     extension; ties go shallower first) and are returned when they also have no sibling gap; when
     a rank-(r+1) node outcounts its rank-r sibling a knapsack DP finds the best valid tree instead.
     With fewer observed prefixes than `budget`, zero-count nodes are added in growth order.
-    rank_paths: one array [T, D] or a list; rank_cap: K (prefixes holding K are never nodes).
+    rank_paths: one array [T, D], a list of them, or rollout dicts. rank_cap: K (prefixes holding
+    K are never nodes); for rollout dicts it is read off the data when omitted, for bare arrays
+    omitting it means every value is a real rank.
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be a positive int (nodes, root excluded), got {budget!r}")
@@ -315,11 +328,11 @@ def top_count_tree(
     return _sorted_paths(_fill(chosen, budget, max_depth, K))
 
 
-def uniform_objective(rank_paths: np.ndarray | Sequence[np.ndarray], tree: Sequence[Path], rank_cap: int | None = None) -> float:
+def uniform_objective(rank_paths: Any, tree: Sequence[Path], rank_cap: int | None = None) -> float:
     """Mean accepted length of `tree` over every step index (what `top_count_tree` maximises)."""
     from pipeline.replay import accept_lengths
 
-    arrays = [rank_paths] if isinstance(rank_paths, np.ndarray) else list(rank_paths)
+    arrays, rank_cap = _rank_arrays(rank_paths, rank_cap)
     total = sum(int(accept_lengths(x, tree, rank_cap).sum()) for x in arrays)
     n = sum(len(x) for x in arrays)
     if n == 0:

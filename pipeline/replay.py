@@ -21,7 +21,10 @@ the chosen trees' step costs (prefill excluded): a ratio between policies over o
 
 A rollout is a dict of arrays over step indices i = 0..T-1: `rank_paths` int [T, D] (ranks
 capped at K = `rank_cap`: K means "not in the top K" or "beyond the end"), and for policies that
-read a signal `p0` [T], `head_top1` [T, D], `entropy` [T]; optionally `rank_cap` (int).
+read a signal `p0` [T], `head_top1` [T, D], `entropy` [T]; optionally `rank_cap` (int; else it is
+read off the data: the last row is all K) and `greedy_top1` [T, D]. Head-aware signals read
+`greedy_top1` when present (the heads' top-1 probabilities along their *own* greedy chain: what a
+decoder sees before verifying) and `head_top1` otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.policy import Policy, Scheduler, StaticPolicy
+from runtime.policy import HysteresisPolicy, Policy, Scheduler, make_signal
 
 Path = tuple[int, ...]
 
@@ -76,7 +79,7 @@ def as_rollouts(rollouts: dict | Sequence[dict]) -> list[dict]:
         if rp.size and rp.min() < 0:
             raise ValueError(f"rollout {n}: rank_paths has negative ranks")
         T, D = rp.shape
-        for key, shape in (("p0", (T,)), ("head_top1", (T, D)), ("entropy", (T,))):
+        for key, shape in (("p0", (T,)), ("head_top1", (T, D)), ("greedy_top1", (T, D)), ("entropy", (T,))):
             if key in r and r[key] is not None and np.shape(r[key]) != shape:
                 raise ValueError(f"rollout {n}: {key} has shape {np.shape(r[key])}, expected {shape} to match rank_paths")
         out.append({**r, "rank_paths": rp})
@@ -87,20 +90,38 @@ def as_rollouts(rollouts: dict | Sequence[dict]) -> list[dict]:
 
 
 def rank_cap_of(rollouts: Sequence[dict], rank_cap: int | None = None) -> int:
-    """K: the explicit argument, else the rollouts' `rank_cap` field (all must agree)."""
+    """K: the explicit argument, else the rollouts' `rank_cap` field, else read off the data.
+
+    By the rank-path convention the last row R[T-1] is all K (no y_{T+1..T+D} exists), so a
+    rollout carries its own K; all prompts must agree, and no rank may exceed it.
+    """
     if rank_cap is None:
         caps = {int(r["rank_cap"]) for r in rollouts if r.get("rank_cap") is not None}
+        if not caps:
+            for n, r in enumerate(rollouts):
+                rp = np.asarray(r["rank_paths"])
+                if len(rp) == 0 or rp.shape[1] == 0:
+                    continue
+                last = np.unique(rp[-1])
+                if len(last) != 1:
+                    raise ValueError(
+                        f"rollout {n}: cannot infer rank_cap, its last row {rp[-1].tolist()} is not all K "
+                        "(rank-path convention); pass rank_cap= or store 'rank_cap' in the rollout"
+                    )
+                caps.add(int(last[0]))
         if len(caps) > 1:
             raise ValueError(f"rollouts disagree on rank_cap: {sorted(caps)}")
         if not caps:
-            raise ValueError(
-                "rank_cap (K) unknown: pass rank_cap= or store 'rank_cap' in each rollout; it is needed so that "
-                "the marker K ('not in the top K') is never mistaken for a real rank"
-            )
+            raise ValueError("rank_cap (K) unknown and the rollouts are empty: pass rank_cap=")
         rank_cap = caps.pop()
     if isinstance(rank_cap, bool) or not isinstance(rank_cap, (int, np.integer)) or rank_cap < 1:
         raise ValueError(f"rank_cap must be a positive int, got {rank_cap!r}")
-    return int(rank_cap)
+    K = int(rank_cap)
+    for n, r in enumerate(rollouts):
+        rp = np.asarray(r["rank_paths"])
+        if rp.size and rp.max() > K:
+            raise ValueError(f"rollout {n}: rank {int(rp.max())} exceeds rank_cap {K}; ranks are capped at K")
+    return K
 
 
 # ----------------------------------------------------------------------------- keys
@@ -136,37 +157,79 @@ def path_key(path: Sequence[int], base: int) -> int:
 # ----------------------------------------------------------------------------- accept lengths and walks
 
 
+_TABLE_MAX = 1 << 24  # membership by a lookup table over all possible keys when that few exist
+
+
+def _check_tree_for(paths: list[Path], D: int, K: int | None) -> None:
+    if paths and max(len(p) for p in paths) > D:
+        raise ValueError(f"tree has depth {max(len(p) for p in paths)} but the rank paths only cover D = {D} heads")
+    if K is not None:
+        bad = [p for p in paths if max(p) >= K]
+        if bad:
+            raise ValueError(f"tree path {bad[0]} has a rank >= rank_cap {K}: the rollout cannot score it")
+
+
+def _accept_from_keys(keys: np.ndarray, paths: list[Path], base: int) -> np.ndarray:
+    """Run length of member prefixes from depth 1 (for a prefix-closed tree: the accepted length)."""
+    N, D = keys.shape
+    if N == 0 or not paths or D == 0:
+        return np.zeros(N, dtype=np.int32)
+    tree_keys = np.fromiter((path_key(p, base) for p in paths), dtype=np.int64, count=len(paths))
+    if base**D <= _TABLE_MAX:
+        table = np.zeros(base**D, dtype=bool)
+        table[tree_keys] = True
+        member = table[keys]
+    else:
+        member = np.isin(keys, tree_keys)
+    # index of the first non-member prefix (argmin of a bool row), D when all are members
+    return np.where(member.all(axis=1), D, member.argmin(axis=1)).astype(np.int32)
+
+
 def accept_lengths(rank_paths: np.ndarray, tree: Any, rank_cap: int | None = None) -> np.ndarray:
     """Accepted draft length at every step index: longest prefix of R[i] that is a node of `tree`.
 
     rank_paths: int [T, D]. tree: a Tree or an iterable of paths. With `rank_cap` (K) given, tree
     ranks must be < K and R values <= K (pass it: K in R means "not in the top K", which a tree
     rank K must not match). Without it, ranks are matched literally.
-    Returns int32 [T].
+    Returns int32 [T]. For many trees over many prompts, `PrefixIndex` computes the keys once.
     """
     rp = np.asarray(rank_paths)
     if rp.ndim != 2:
         raise ValueError(f"rank_paths must be [T, D], got shape {rp.shape}")
-    T, D = rp.shape
+    D = rp.shape[1]
     paths = tree_paths(tree)
-    if paths and max(len(p) for p in paths) > D:
-        raise ValueError(f"tree has depth {max(len(p) for p in paths)} but the rank paths only cover D = {D} heads")
+    _check_tree_for(paths, D, rank_cap)
     if rank_cap is not None:
         K = int(rank_cap)
-        bad = [p for p in paths if max(p) >= K]
-        if bad:
-            raise ValueError(f"tree path {bad[0]} has a rank >= rank_cap {K}: the rollout cannot score it")
         if rp.size and (rp.min() < 0 or rp.max() > K):
             raise ValueError(f"rank_paths values must lie in 0..{K} (rank_cap), got {rp.min()}..{rp.max()}")
     else:
         K = max([int(rp.max()) if rp.size else 0] + [max(p) for p in paths]) + 1
-    if T == 0 or not paths:
-        return np.zeros(T, dtype=np.int32)
     base = key_base(K)
-    keys = prefix_keys(rp, base)
-    member = np.isin(keys, np.fromiter((path_key(p, base) for p in paths), dtype=np.int64, count=len(paths)))
-    # prefix-closed tree: the accepted length is the run of member prefixes from depth 1
-    return np.cumprod(member, axis=1).sum(axis=1).astype(np.int32)
+    return _accept_from_keys(prefix_keys(rp, base), paths, base)
+
+
+class PrefixIndex:
+    """The prefix keys of many prompts' rank paths, computed once, to score many trees fast."""
+
+    def __init__(self, rollouts: dict | Sequence[dict], rank_cap: int | None = None) -> None:
+        rolls = as_rollouts(rollouts)
+        self.rank_cap = rank_cap_of(rolls, rank_cap)
+        self.base = key_base(self.rank_cap)
+        self.lengths = [len(r["rank_paths"]) for r in rolls]
+        self.splits = np.cumsum(self.lengths)[:-1]
+        self.depth = rolls[0]["rank_paths"].shape[1]
+        self.keys = prefix_keys(np.concatenate([r["rank_paths"] for r in rolls]), self.base)
+
+    def accept_all(self, tree: Any) -> np.ndarray:
+        """Accepted lengths at every step index of every prompt, concatenated, int32 [sum T]."""
+        paths = tree_paths(tree)
+        _check_tree_for(paths, self.depth, self.rank_cap)
+        return _accept_from_keys(self.keys, paths, self.base)
+
+    def accept(self, tree: Any) -> list[np.ndarray]:
+        """Accepted lengths per prompt."""
+        return np.split(self.accept_all(tree), self.splits)
 
 
 def walk(accept_len: Sequence[int] | np.ndarray, start: int = 0) -> np.ndarray:
@@ -191,15 +254,22 @@ def step_tokens(accept_len: np.ndarray, visited: np.ndarray) -> np.ndarray:
     return np.minimum(a[visited] + 1, T - 1 - visited)
 
 
-def replay_tokens_per_step(accept_lens: np.ndarray | Sequence[np.ndarray]) -> float:
+def replay_tokens_per_step(
+    accept_lens: np.ndarray | Sequence[np.ndarray] | dict | Sequence[dict], tree: Any = None, rank_cap: int | None = None
+) -> float:
     """Tokens per step of a fixed-tree decode, pooled over prompts: sum(T - 1) / sum(steps).
 
-    accept_lens: one prompt's accepted lengths [T] or a list of them.
+    Either `replay_tokens_per_step(accept_lens)` with one prompt's accepted lengths [T] or a list
+    of them, or `replay_tokens_per_step(rollouts, tree)` with rollout dicts and a tree.
     """
+    if tree is not None:
+        return replay_tree(accept_lens, tree, rank_cap).tokens_per_step  # type: ignore[arg-type]
     if isinstance(accept_lens, np.ndarray) and accept_lens.ndim == 1:
         accept_lens = [accept_lens]
     steps = tokens = 0
     for a in accept_lens:
+        if isinstance(a, dict):
+            raise ValueError("replay_tokens_per_step got rollout dicts but no tree: call it as (rollouts, tree)")
         steps += len(walk(a))
         tokens += max(len(a) - 1, 0)
     if steps == 0:
@@ -218,11 +288,9 @@ class TreeReplay:
 
 def replay_tree(rollouts: dict | Sequence[dict], tree: Any, rank_cap: int | None = None) -> TreeReplay:
     """Replay a fixed tree over rollouts."""
-    rolls = as_rollouts(rollouts)
-    K = rank_cap_of(rolls, rank_cap)
+    index = PrefixIndex(rollouts, rank_cap)
     steps = tokens = acc_vis = acc_all = n_all = 0
-    for r in rolls:
-        a = accept_lengths(r["rank_paths"], tree, K)
+    for a in index.accept(tree):
         v = walk(a)
         steps += len(v)
         tokens += max(len(a) - 1, 0)
@@ -236,7 +304,7 @@ def replay_tree(rollouts: dict | Sequence[dict], tree: Any, rank_cap: int | None
 
 # ----------------------------------------------------------------------------- policies over a bank
 
-_NEEDS = {"paper": ("p0", "head_top1"), "p0": ("p0",), "path_value": ("p0", "head_top1"), "entropy_ema": ("entropy",)}
+_NEEDS = {"paper": ("p0", "head_top1"), "p0": ("p0",), "greedy_path": ("p0", "head_top1"), "entropy_ema": ("entropy",)}
 
 
 @dataclass
@@ -255,20 +323,46 @@ class BankReplay:
     @classmethod
     def build(cls, rollouts: dict | Sequence[dict], trees: Sequence[Any], rank_cap: int | None = None) -> "BankReplay":
         rolls = as_rollouts(rollouts)
-        K = rank_cap_of(rolls, rank_cap)
         if not trees:
             raise ValueError("the bank has no trees")
-        paths = [tree_paths(t) for t in trees]
-        accept = [np.stack([accept_lengths(r["rank_paths"], p, K) for p in paths]) for r in rolls]
+        index = PrefixIndex(rolls, rank_cap)
+        K = index.rank_cap
+        per_tree = np.stack([index.accept_all(t) for t in trees])  # [n_trees, sum T]
+        accept = np.split(per_tree, index.splits, axis=1)
+        paths = trees
 
         def lists(key: str) -> list:
             return [None if r.get(key) is None else np.asarray(r[key], dtype=np.float64).tolist() for r in rolls]
 
-        return cls(accept, [a.tolist() for a in accept], lists("p0"), lists("head_top1"), lists("entropy"), len(paths), K)
+        greedy, teacher = lists("greedy_top1"), lists("head_top1")
+        heads = [g if g is not None else h for g, h in zip(greedy, teacher)]
+        return cls(accept, [a.tolist() for a in accept], lists("p0"), heads, lists("entropy"), len(paths), K)
+
+    _signal_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def tokens(self) -> int:
         return sum(max(a.shape[1] - 1, 0) for a in self.accept)
+
+    def signal_values(self, name: str) -> list[np.ndarray]:
+        """Per prompt, a stateless signal's value at every step index, computed by the runtime's own
+        `observe` (so the floats are exactly what a decoder would see). Cached."""
+        if name not in self._signal_cache:
+            sig = make_signal(name)
+            if not sig.stateless:
+                raise ValueError(f"signal {name!r} depends on the decode's history; it has no per-position values")
+            out = []
+            for n, rows in enumerate(self.accept_rows):
+                T = len(rows[0])
+                for key in _NEEDS.get(name, ()):
+                    if getattr(self, key)[n] is None:
+                        raise ValueError(f"signal {name!r} needs '{key}' but rollout {n} has none")
+                p0 = self.p0[n] or [0.0] * T
+                ht = self.head_top1[n] or [()] * T
+                ent = self.entropy[n] or [0.0] * T
+                out.append(np.asarray([sig.observe(p0[i], ht[i], ent[i]) for i in range(T)], dtype=np.float64))
+            self._signal_cache[name] = out
+        return self._signal_cache[name]
 
 
 @dataclass
@@ -309,40 +403,78 @@ def replay_policy(
     policy: Policy | Scheduler | dict,
     step_costs: Sequence[float] | np.ndarray | None = None,
     rank_cap: int | None = None,
+    exact_loop: bool = False,
 ) -> PolicyReplay:
     """Replay a per-step tree choice over the bank `trees` (ordered by size).
 
     At each visited step i the scheduler sees (p0[i], head_top1[i], entropy[i]) exactly as the
     decoder would, picks tree k, the step accepts a_k(i) drafts, and the scheduler is updated with
     a_k(i). Pass a prebuilt `BankReplay` (and trees=None) to replay many policies cheaply.
+    exact_loop=True turns the fast paths off (every step through `Scheduler`, as in a decoder);
+    the results are the same, which the tests check.
     """
     data = rollouts if isinstance(rollouts, BankReplay) else BankReplay.build(rollouts, trees or [], rank_cap)
     sched = policy if isinstance(policy, Scheduler) else Scheduler.from_dict(policy) if isinstance(policy, dict) else Scheduler(policy)
     sched.policy.check_bank(data.n_trees)
     costs = _check_costs(step_costs, data.n_trees)
-    need = _NEEDS.get(sched.policy.signal, ())
-    static = isinstance(sched.policy, StaticPolicy)
-    choose, update = sched.choose, sched.update
+    pol = sched.policy
+    need = _NEEDS.get(pol.signal, ())
+    # Fast paths, same results: a stateless signal is precomputed per position (by the same
+    # `observe`), and a memoryless policy (choose_many, no-op update) is then vectorised.
+    stateless = sched.signal.stateless and not exact_loop
+    vectorised = stateless and hasattr(pol, "choose_many") and type(pol).update is Policy.update
+    signals = data.signal_values(pol.signal) if stateless else None
     all_choices, all_visited = [], []
     steps = 0
     for n, rows in enumerate(data.accept_rows):
         T = len(rows[0])
-        for key in need:
-            if getattr(data, key)[n] is None:
-                raise ValueError(f"signal {sched.policy.signal!r} needs '{key}' but rollout {n} has none")
-        p0 = data.p0[n] or [0.0] * T
-        ht = data.head_top1[n] or [()] * T
-        ent = data.entropy[n] or [0.0] * T
-        sched.reset()
-        ch, vis = [], []
+        ch: list[int] = []
+        vis: list[int] = []
         i = 0
-        if static:
-            row = rows[sched.policy.index]
+        if vectorised:
+            choice = pol.choose_many(signals[n])
+            a_pol = data.accept[n][choice, np.arange(T)].tolist()
             while i < T - 1:
                 vis.append(i)
-                i += row[i] + 1
-            ch = [sched.policy.index] * len(vis)
+                i += a_pol[i] + 1
+            ch = choice[vis].tolist()
+        elif stateless and type(pol) is HysteresisPolicy:
+            # the hysteresis state machine with its two comparisons done per position up front
+            up = (signals[n] > pol.tau_on).tolist()
+            down = (signals[n] <= pol.tau_off).tolist()
+            small, large = pol.small, pol.large
+            row_s, row_l = rows[small], rows[large]
+            cur = large if pol.start == "large" else small
+            while i < T - 1:
+                if cur == small:
+                    if up[i]:
+                        cur = large
+                elif down[i]:
+                    cur = small
+                a = row_s[i] if cur == small else row_l[i]
+                ch.append(cur)
+                vis.append(i)
+                i += a + 1
+        elif stateless:
+            sig = signals[n].tolist()
+            pol.reset()
+            choose, update = pol.choose, pol.update
+            while i < T - 1:
+                k = choose(sig[i])
+                a = rows[k][i]
+                update(a)
+                ch.append(k)
+                vis.append(i)
+                i += a + 1
         else:
+            for key in need:
+                if getattr(data, key)[n] is None:
+                    raise ValueError(f"signal {pol.signal!r} needs '{key}' but rollout {n} has none")
+            p0 = data.p0[n] or [0.0] * T
+            ht = data.head_top1[n] or [()] * T
+            ent = data.entropy[n] or [0.0] * T
+            sched.reset()
+            choose, update = sched.choose, sched.update
             while i < T - 1:
                 k = choose(p0[i], ht[i], ent[i])
                 a = rows[k][i]
@@ -372,20 +504,23 @@ def oracle_schedule(accept_lens: np.ndarray, step_costs: Sequence[float] | np.nd
 
     accept_lens: int [n_trees, T]; step_costs: [n_trees] seconds. Dynamic program from the end:
     best[i] = min_k cost_k + best[min(i + a_k(i) + 1, T - 1)], best[T - 1] = 0 (nothing left).
-    Returns (best[0] = the least total step time to emit y_2..y_T, argmin tree per step index
-    [T], -1 where no step runs). Ties go to the smaller tree. No policy over the same bank can
-    take less time, so its tokens per second is an upper bound (its tokens per step is not).
+    Returns (best[0] = the least total step time to emit y_2..y_T, the tree chosen at each step of
+    the optimal decode; its length is the number of steps). Ties go to the smaller tree. No policy
+    over the same bank takes less time, so its tokens per second is an upper bound for any policy
+    (its tokens per step is not: the largest tree alone may accept more per step).
     """
     a = np.asarray(accept_lens)
     if a.ndim != 2:
         raise ValueError(f"accept_lens must be [n_trees, T], got shape {a.shape}")
     n_trees, T = a.shape
     costs = _check_costs(step_costs, n_trees)
-    best = [0.0] * max(T, 1)
-    choice = np.full(T, -1, dtype=np.int64)
-    nxt = np.minimum(np.arange(T)[None, :] + a + 1, max(T - 1, 0)).T.tolist()  # [T][n_trees]
+    if T <= 1:
+        return 0.0, np.zeros(0, dtype=np.int64)
+    best = [0.0] * T
+    arg = [0] * T
+    nxt = np.minimum(np.arange(T)[None, :] + a + 1, T - 1).T.tolist()  # [T][n_trees]
     cl = costs.tolist()
-    ks = range(n_trees)
+    ks = range(1, n_trees)
     for i in range(T - 2, -1, -1):
         row = nxt[i]
         k_best = 0
@@ -395,8 +530,14 @@ def oracle_schedule(accept_lens: np.ndarray, step_costs: Sequence[float] | np.nd
             if t < t_best:
                 k_best, t_best = k, t
         best[i] = t_best
-        choice[i] = k_best
-    return (best[0] if T > 1 else 0.0), choice
+        arg[i] = k_best
+    steps = []
+    i = 0
+    while i < T - 1:
+        k = arg[i]
+        steps.append(k)
+        i = nxt[i][k]
+    return best[0], np.asarray(steps, dtype=np.int64)
 
 
 @dataclass
@@ -435,15 +576,8 @@ def oracle_replay(
     for acc in data.accept:
         t, choice = oracle_schedule(acc, costs)
         total += t
-        T = acc.shape[1]
-        ch = []
-        i = 0
-        while i < T - 1:
-            k = int(choice[i])
-            ch.append(k)
-            i += int(acc[k, i]) + 1
-        steps += len(ch)
-        all_choices.append(np.asarray(ch, dtype=np.int64))
+        steps += len(choice)
+        all_choices.append(choice)
     if steps == 0:
         raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
     tokens = data.tokens

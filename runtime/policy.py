@@ -8,7 +8,7 @@ The decoder calls, once per step and before drafting,
 
 where `p0` is the base model's top-1 probability at the position being extended, `head_top1`
 the heads' top-1 probabilities along their greedy chain (p_1..p_D) and `entropy` the base
-model's entropy there (nats). Everything here runs on plain Python floats: a tensor op per step
+model's entropy there (nats). Everything on the per-step path runs on plain Python floats: a tensor op per step
 would cost more than the whole policy is allowed (the paper reports < 0.1 ms per step), so the
 decoder converts its few scalars with one `.tolist()` and the policy never sees a tensor.
 
@@ -24,6 +24,8 @@ import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any, ClassVar
+
+import numpy as np
 
 # ----------------------------------------------------------------------------- signals
 
@@ -67,6 +69,7 @@ class Signal:
     """A per-step signal. `observe` is called before the step, `update` after it."""
 
     name: ClassVar[str] = "none"
+    stateless: ClassVar[bool] = True  # the value depends on the current step's inputs only
 
     def observe(self, p0: float, head_top1: Sequence[float], entropy: float) -> float:
         return 0.0
@@ -103,10 +106,10 @@ class P0Signal(Signal):
         return p0
 
 
-class PathValueSignal(Signal):
+class GreedyPathSignal(Signal):
     """g_D, the greedy path value through the heads: the signal that does read the heads."""
 
-    name = "path_value"
+    name = "greedy_path"
 
     def observe(self, p0: float, head_top1: Sequence[float], entropy: float) -> float:
         return greedy_path_value(p0, head_top1)
@@ -121,6 +124,7 @@ class AcceptEMA(Signal):
     """
 
     name = "accept_ema"
+    stateless = False
 
     def __init__(self, alpha: float = 0.5, init: float = 1.0) -> None:
         self.alpha = _check_alpha(alpha)
@@ -150,6 +154,7 @@ class EntropyEMA(Signal):
     """
 
     name = "entropy_ema"
+    stateless = False
 
     def __init__(self, alpha: float = 0.5) -> None:
         self.alpha = _check_alpha(alpha)
@@ -172,7 +177,7 @@ SIGNALS: dict[str, type[Signal]] = {
     "none": NoSignal,
     "paper": PaperSignal,
     "p0": P0Signal,
-    "path_value": PathValueSignal,
+    "greedy_path": GreedyPathSignal,
     "accept_ema": AcceptEMA,
     "entropy_ema": EntropyEMA,
 }
@@ -219,6 +224,9 @@ class Policy:
     def choose(self, signal: float) -> int:
         raise NotImplementedError
 
+    # Memoryless policies (choice a function of the signal alone, `update` a no-op) also define
+    # `choose_many(signals: np.ndarray) -> np.ndarray`, which offline replay uses to vectorise.
+
     def update(self, accepted: int) -> None:
         """Hook called after each step with the number of accepted draft tokens."""
 
@@ -263,6 +271,9 @@ class StaticPolicy(Policy):
     def choose(self, signal: float) -> int:
         return self.index
 
+    def choose_many(self, signals: np.ndarray) -> np.ndarray:
+        return np.full(len(signals), self.index, dtype=np.int64)
+
     def indices(self) -> list[int]:
         return [self.index]
 
@@ -304,6 +315,11 @@ class LadderPolicy(Policy):
 
     def choose(self, signal: float) -> int:
         return self.trees[bisect_right(self.thresholds, signal)]
+
+    def choose_many(self, signals: np.ndarray) -> np.ndarray:
+        """`choose` over an array of signals (offline replay); searchsorted 'right' = bisect_right."""
+        band = np.searchsorted(np.asarray(self.thresholds, dtype=np.float64), signals, side="right")
+        return np.asarray(self.trees, dtype=np.int64)[band]
 
     def indices(self) -> list[int]:
         return list(self.trees)
@@ -406,6 +422,10 @@ class ExpectedThroughputPolicy(Policy):
     def choose(self, signal: float) -> int:
         return self._best[bisect_right(self.bucket_edges, signal)]
 
+    def choose_many(self, signals: np.ndarray) -> np.ndarray:
+        bucket = np.searchsorted(np.asarray(self.bucket_edges, dtype=np.float64), signals, side="right")
+        return np.asarray(self._best, dtype=np.int64)[bucket]
+
     def indices(self) -> list[int]:
         return list(range(len(self.step_costs)))
 
@@ -440,6 +460,40 @@ def policy_from_dict(d: dict[str, Any]) -> Policy:
         return cls(**fields)
     except TypeError as e:
         raise ValueError(f"bad fields for a {kind} policy ({sorted(fields)}): {e}") from None
+
+
+# What a `conf/policy/*.yaml` group may hold (the fitting recipe, not a fitted policy):
+#   name: static | ladder | hysteresis | expected_throughput   (the bank's default policy kind)
+#   signal: a name in SIGNALS; signal_params: its parameters (EMA alpha / init)
+#   tau_grid: hysteresis thresholds to sweep (the paper's {0.001, 0.005, 0.01, 0.02, 0.05})
+#   fine_search: also search the signal's quantiles; num_buckets: expected-throughput buckets
+#   n_quantiles: how many quantile levels the fine search uses
+POLICY_CONFIG_KEYS = ("name", "signal", "signal_params", "tau_grid", "fine_search", "num_buckets", "n_quantiles")
+
+
+def validate_policy_config(cfg: dict[str, Any]) -> None:
+    """Check a policy *fitting* config (a `conf/policy` group) before any long work starts."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"policy config must be a mapping, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(POLICY_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown policy config keys {unknown}; allowed: {list(POLICY_CONFIG_KEYS)}")
+    name = cfg.get("name")
+    if name not in POLICIES:
+        raise ValueError(f"policy.name must be one of {sorted(POLICIES)}, got {name!r}")
+    make_signal(cfg.get("signal", "paper"), cfg.get("signal_params"))
+    grid = cfg.get("tau_grid")
+    if grid is not None:
+        if isinstance(grid, (str, bytes)) or not isinstance(grid, Sequence) or not grid:
+            raise ValueError(f"policy.tau_grid must be a non-empty list of numbers, got {grid!r}")
+        for i, t in enumerate(grid):
+            _check_finite(f"policy.tau_grid[{i}]", t)
+    if "fine_search" in cfg and not isinstance(cfg["fine_search"], bool):
+        raise ValueError(f"policy.fine_search must be true or false, got {cfg['fine_search']!r}")
+    for key, lo in (("num_buckets", 1), ("n_quantiles", 2)):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
+            raise ValueError(f"policy.{key} must be an int >= {lo}, got {v!r}")
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -490,7 +544,7 @@ def policy_overhead_us(n_steps: int = 20000, n_trees: int = 4, depth: int = 4, s
     policies = {
         "static": StaticPolicy(n_trees - 1),
         "ladder": LadderPolicy([0.2 + 0.6 * j / max(1, n_trees - 1) for j in range(n_trees - 1)], signal="paper"),
-        "hysteresis": HysteresisPolicy(0.5, 0.3, 0, n_trees - 1, signal="path_value"),
+        "hysteresis": HysteresisPolicy(0.5, 0.3, 0, n_trees - 1, signal="greedy_path"),
         "hysteresis_accept_ema": HysteresisPolicy(2.5, 2.0, 0, n_trees - 1, signal="accept_ema"),
         "expected_throughput": ExpectedThroughputPolicy([0.3, 0.6, 0.9], table, costs, signal="entropy_ema"),
     }
