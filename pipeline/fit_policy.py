@@ -231,10 +231,12 @@ def fit_policies(
     if costs.shape != (data.n_trees,) or not np.all(np.isfinite(costs)) or np.any(costs <= 0):
         raise ValueError(f"step_costs must be {data.n_trees} positive seconds (one per bank tree), got {step_costs!r}")
     kinds = ("hysteresis", "hysteresis_paper_grid", "ladder", "expected_throughput")
-    per_kind = signals if isinstance(signals, dict) else {k: signals for k in kinds}
-    per_kind = {k: list(per_kind.get(k, ())) for k in kinds}
-    if "hysteresis" in (signals if isinstance(signals, dict) else {}) and "hysteresis_paper_grid" not in signals:
-        per_kind["hysteresis_paper_grid"] = per_kind["hysteresis"]
+    if isinstance(signals, dict):
+        given = dict(signals)
+        given.setdefault("hysteresis_paper_grid", given.get("hysteresis", ()))  # same signals as hysteresis
+        per_kind = {k: list(given.get(k, ())) for k in kinds}
+    else:
+        per_kind = {k: list(signals) for k in kinds}
     fitter = _Fitter(data, costs)
     out: dict[str, Any] = {}
 

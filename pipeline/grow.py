@@ -34,7 +34,12 @@ def _sorted_paths(paths: Sequence[Path]) -> list[Path]:
 
 @dataclass
 class GrowResult:
-    """One greedy growth run at one max depth. Entry b - 1 of each list describes the b-node tree."""
+    """One greedy growth run at one max depth. Entry b - 1 of each list describes the b-node tree.
+
+    `score` never falls below the previous tree's `mean_accept` and `mean_accept_uniform` never
+    decreases, but `tokens_per_step` (each tree's own decode) can dip: a larger tree can move the
+    decode onto worse positions (tests/test_grow.py has a four-token example).
+    """
 
     max_depth: int
     rank_cap: int

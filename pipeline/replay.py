@@ -319,6 +319,7 @@ class BankReplay:
     entropy: list[list[float] | None]
     n_trees: int
     rank_cap: int
+    _signal_cache: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, rollouts: dict | Sequence[dict], trees: Sequence[Any], rank_cap: int | None = None) -> "BankReplay":
@@ -329,16 +330,13 @@ class BankReplay:
         K = index.rank_cap
         per_tree = np.stack([index.accept_all(t) for t in trees])  # [n_trees, sum T]
         accept = np.split(per_tree, index.splits, axis=1)
-        paths = trees
 
         def lists(key: str) -> list:
             return [None if r.get(key) is None else np.asarray(r[key], dtype=np.float64).tolist() for r in rolls]
 
         greedy, teacher = lists("greedy_top1"), lists("head_top1")
         heads = [g if g is not None else h for g, h in zip(greedy, teacher)]
-        return cls(accept, [a.tolist() for a in accept], lists("p0"), heads, lists("entropy"), len(paths), K)
-
-    _signal_cache: dict = field(default_factory=dict, repr=False)
+        return cls(accept, [a.tolist() for a in accept], lists("p0"), heads, lists("entropy"), len(trees), K)
 
     @property
     def tokens(self) -> int:

@@ -153,3 +153,18 @@ def test_top_count_tree_bounds_greedy_growth_on_the_uniform_objective() -> None:
         top = top_count_tree(rolls, b, 4)
         assert _valid(top, 4, 6) and len(top) == b
         assert uniform_objective(rolls, top) >= res.mean_accept_uniform[b - 1] - 1e-12
+
+
+def test_own_walk_tokens_per_step_need_not_grow_with_the_tree() -> None:
+    # Why the monotone quantities above are the selection score and the uniform mean: adding a
+    # node can move the decode onto worse positions. A = chain of 3, B = A + (1,).
+    K = 4
+    R = np.array([[1, K, K], [0, 0, 0], [2, K, K], [2, K, K], [K, K, K]], dtype=np.int16)
+    A = [(0,), (0, 0), (0, 0, 0)]
+    B = A + [(1,)]
+    roll = [{"rank_paths": R, "rank_cap": K}]
+    assert walk(accept_lengths(R, A, K)).tolist() == [0, 1]  # 0 -> 1 -> 5
+    assert walk(accept_lengths(R, B, K)).tolist() == [0, 2, 3]  # 0 -> 2 -> 3 -> 4
+    assert replay_tree(roll, A).tokens_per_step == 2.0
+    assert replay_tree(roll, B).tokens_per_step == pytest.approx(4 / 3)
+    assert uniform_objective(R, B, K) >= uniform_objective(R, A, K)
