@@ -204,7 +204,7 @@ class TreeDecoder:
         result = GenerationResult(tokens=[])
         t0 = time.perf_counter()
         ids = torch.tensor([list(input_ids)], dtype=torch.long)
-        logits, hidden = model(ids, torch.arange(ids.shape[1]))
+        logits, hidden = model(ids, torch.arange(ids.shape[1]), last_only=True)
         h = heads.observe(hidden, torch.arange(ids.shape[1]))
         last = logits[0, -1]
         root = int(last.argmax())

@@ -1,0 +1,128 @@
+"""Lossless tree speculative decoding: the decoder emits exactly the greedy AR tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.decoder import TreeDecoder, TypicalAcceptance
+from runtime.heads import DraftHeads, HeadsConfig
+from runtime.model import ModelArgs, Transformer
+from runtime.policy import HysteresisPolicy, LadderPolicy, Scheduler
+from runtime.tree import Tree, TreeBuffers
+from tests.test_tree import trees as valid_trees
+
+
+def tiny_model(seed: int = 0, vocab: int = 48) -> Transformer:
+    """A random 2-layer Llama with a small vocabulary, so random heads sometimes guess right."""
+    torch.manual_seed(seed)
+    args = ModelArgs(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     intermediate_size=64, eos_token_ids=(vocab - 1,), max_position_embeddings=512)
+    m = Transformer(args)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    m.setup_cache(256)
+    return m.eval()
+
+
+def tiny_heads(model: Transformer, kind: str, seed: int = 0, prefix: bool = False) -> DraftHeads:
+    torch.manual_seed(seed)
+    heads = DraftHeads(HeadsConfig.for_model(model.args, kind=kind, num_heads=4, prefix_layer=prefix))
+    for name, p in heads.named_parameters():
+        torch.nn.init.normal_(p, std=0.2)  # non-zero ResBlocks: drafts differ from the base argmax
+    heads.bind(model)
+    return heads.eval()
+
+
+@torch.inference_mode()
+def ar_greedy(model: Transformer, ids: list[int], n: int) -> list[int]:
+    model.reset_cache()
+    logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)))
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < n and out[-1] not in model.args.eos_token_ids:
+        logits, _ = model(torch.tensor([[out[-1]]]), torch.tensor([model.cache_len]))
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+TREES = [Tree.named("chain4"), Tree.named("mc_sim_7b_63"), Tree([(0,), (1,), (0, 0)]), Tree([])]
+
+
+@pytest.mark.parametrize("kind,prefix", [("hydra", False), ("medusa", False), ("hydra", True)])
+def test_lossless_fixed_trees(kind: str, prefix: bool) -> None:
+    model = tiny_model()
+    heads = tiny_heads(model, kind, prefix=prefix)
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in TREES])
+    accepted_any = 0
+    for seed in range(2):
+        ids = torch.randint(0, 40, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref = ar_greedy(model, ids, 32)
+        for k in range(len(TREES)):
+            res = dec.generate(ids, 32, choose=k)
+            assert res.tokens == ref, f"{kind} tree {k} prompt {seed}"
+            accepted_any += sum(s.accepted for s in res.steps)
+            # every step but the last emits accepted + 1 tokens (the last may be cut at the budget/EOS)
+            assert sum(s.accepted + 1 for s in res.steps[:-1]) < len(res.tokens) <= 1 + sum(s.accepted + 1 for s in res.steps)
+    assert accepted_any > 0, "the test never exercised an accepted draft; make the heads luckier"
+
+
+def test_switching_every_step_is_lossless() -> None:
+    model = tiny_model(1)
+    heads = tiny_heads(model, "hydra", seed=1)
+    trees = [TreeBuffers.compile(t) for t in TREES]
+    dec = TreeDecoder(model, heads, trees)
+    ids = list(range(3, 12))
+    ref = ar_greedy(model, ids, 60)
+    for policy in (HysteresisPolicy(tau_on=0.3, tau_off=0.2, small=0, large=1, signal="p0"),
+                   LadderPolicy([0.2, 0.4, 0.6], signal="entropy_ema"),
+                   HysteresisPolicy(tau_on=0.05, tau_off=0.01, small=2, large=3, signal="greedy_path")):
+        res = dec.generate(ids, 60, choose=Scheduler(policy, len(trees)))
+        assert res.tokens == ref
+    used = {s.tree for s in res.steps}
+    assert len(used) >= 1
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trees=st.lists(valid_trees(max_depth=4, max_nodes=20), min_size=1, max_size=4),
+       seed=st.integers(0, 10_000), kind=st.sampled_from(["hydra", "medusa"]))
+def test_random_trees_random_switching_lossless(trees: list[Tree], seed: int, kind: str) -> None:
+    model = tiny_model(seed % 3)
+    heads = tiny_heads(model, kind, seed=seed % 5)
+    bufs = [TreeBuffers.compile(t) for t in trees]
+    ids = torch.randint(0, 40, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ref = ar_greedy(model, ids, 24)
+
+    # a ladder with random thresholds over p0: the tree changes from step to step
+    rng = torch.Generator().manual_seed(seed)
+    thresholds = sorted(torch.rand(len(bufs) - 1, generator=rng).tolist()) if len(bufs) > 1 else []
+    thresholds = [t + i * 1e-6 for i, t in enumerate(thresholds)]
+    choose = Scheduler(LadderPolicy(thresholds, signal="p0"), len(bufs)) if thresholds else 0
+    dec = TreeDecoder(model, heads, bufs)
+    assert dec.generate(ids, 24, choose=choose).tokens == ref
+
+
+def test_typical_acceptance_runs_and_is_reproducible() -> None:
+    model = tiny_model(2)
+    heads = tiny_heads(model, "hydra", seed=2)
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(Tree.named("mc_sim_7b_63"))],
+                      acceptance=TypicalAcceptance(temperature=0.7, seed=3))
+    a = dec.generate([1, 2, 3], 30).tokens
+    b = dec.generate([1, 2, 3], 30).tokens
+    assert a == b and 1 <= len(a) <= 30
+
+
+def test_errors() -> None:
+    model = tiny_model()
+    heads = tiny_heads(model, "hydra")
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(Tree.named("chain4"))])
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate([], 4)
+    with pytest.raises(ValueError, match="KV cache capacity"):
+        dec.generate([1] * 200, 100)
+    with pytest.raises(ValueError, match="out of range"):
+        dec.generate([1, 2], 4, choose=3)
+    shallow = DraftHeads(HeadsConfig.for_model(model.args, kind="hydra", num_heads=2))
+    with pytest.raises(ValueError, match="depth 4"):
+        TreeDecoder(model, shallow, [TreeBuffers.compile(Tree.named("chain4"))])
