@@ -92,8 +92,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     from pipeline.run import _calib_rows, load_runtime, resolve_dtype
     from runtime.bank import TopologyBank
     from runtime.decoder import TreeDecoder
-    from runtime.policy import policy_from_dict
-    from runtime.schedule import PolicyChooser
+    from runtime.policy import Scheduler, policy_from_dict
     from runtime.tree import Tree, TreeBuffers
 
     n_new = int(cfg.evaluate.max_new_tokens)
@@ -118,7 +117,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     for name, label in labels.items():
         if name in bank.policies:
             pol = bank.policies[name]
-            methods[label] = _spec_method(bank_dec, lambda pol=pol: PolicyChooser(policy_from_dict(pol), hydra))
+            methods[label] = _spec_method(bank_dec, lambda pol=pol: Scheduler(policy_from_dict(pol), len(bank.trees)))
 
     names = list(methods)
     recs: dict[str, list[dict]] = {m: [] for m in names}
@@ -136,7 +135,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     ar_tokens = {r["id"]: r["tokens"] for r in recs["AR"]}
     for row in rows:
         ro = rollout_prompt(model, hydra, row["input_ids"], n_new, int(cfg.profile.rank_cap))
-        acc = np.stack([accept_lengths(ro["rank_paths"], t.paths) for t in bank.trees])
+        acc = np.stack([accept_lengths(ro["rank_paths"], t.paths, rank_cap=int(cfg.profile.rank_cap)) for t in bank.trees])
         t_min, sched = oracle_schedule(acc, np.asarray(costs))
         oracle_time += t_min
         oracle_tokens += len(ro["tokens"]) - 1

@@ -18,9 +18,10 @@ from runtime.decoder import TreeDecoder
 from runtime.tree import Tree
 
 
-def compare_step_by_step(rollout: dict[str, Any], tree: Tree, accepted_real: list[int], tokens_real: list[int]) -> dict[str, Any]:
+def compare_step_by_step(rollout: dict[str, Any], tree: Tree, accepted_real: list[int], tokens_real: list[int],
+                         rank_cap: int) -> dict[str, Any]:
     """Compare one real decode with the replay of the same tree on the same prompt."""
-    acc = accept_lengths(rollout["rank_paths"], tree.paths)
+    acc = accept_lengths(rollout["rank_paths"], tree.paths, rank_cap=rank_cap)
     T = len(rollout["tokens"])
     same_tokens = tokens_real == rollout["tokens"].tolist()
     first_diff = None
@@ -65,6 +66,7 @@ def _replay_step_count(acc: np.ndarray, T: int) -> int:
 
 def recalibrate(
     decoder: TreeDecoder, trees: list[Tree], rows: list[dict], rollouts: dict[str, dict], max_new_tokens: int,
+    rank_cap: int,
 ) -> list[dict[str, Any]]:
     """Decode every row with every tree (prompt-major, so machine drift hits all trees alike)."""
     per_tree: list[dict[str, Any]] = [
@@ -75,7 +77,7 @@ def recalibrate(
         ro = rollouts[row["id"]]
         for k, tree in enumerate(trees):
             res = decoder.generate(row["input_ids"], max_new_tokens, choose=k)
-            cmp = compare_step_by_step(ro, tree, [s.accepted for s in res.steps], res.tokens)
+            cmp = compare_step_by_step(ro, tree, [s.accepted for s in res.steps], res.tokens, rank_cap)
             f = per_tree[k]
             f["tokens"] += len(res.tokens) - 1
             f["steps"] += len(res.steps)

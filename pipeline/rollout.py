@@ -98,19 +98,19 @@ def run_rollout(
     per_prompt = []
     for row in tqdm(rows, desc=desc, unit="prompt"):
         per_prompt.append(rollout_prompt(model, heads, row["input_ids"], max_new_tokens, rank_cap))
-    save_rollout(out_dir, [r["id"] for r in rows], per_prompt)
+    save_rollout(out_dir, [r["id"] for r in rows], per_prompt, rank_cap)
     tokens = sum(len(r["tokens"]) for r in per_prompt)
     return {"prompts": len(rows), "tokens": tokens, "tf_mismatches": int(sum(r["tf_mismatch"].sum() for r in per_prompt))}
 
 
-def save_rollout(out_dir: Path, ids: list[str], per_prompt: list[dict[str, np.ndarray]]) -> None:
+def save_rollout(out_dir: Path, ids: list[str], per_prompt: list[dict[str, np.ndarray]], rank_cap: int) -> None:
     """Concatenate per-prompt arrays with an offsets vector (safetensors + JSON; no pickle)."""
     lengths = [len(r["tokens"]) for r in per_prompt]
     flat = {k: np.concatenate([r[k] for r in per_prompt]) if per_prompt else np.zeros(0) for k in ARRAYS}
     flat["tf_mismatch"] = flat["tf_mismatch"].astype(np.uint8)
     flat["offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     save_file(flat, str(out_dir / "rollout.safetensors"))
-    (out_dir / "prompts.json").write_text(json.dumps({"ids": ids}))
+    (out_dir / "prompts.json").write_text(json.dumps({"ids": ids, "rank_cap": int(rank_cap)}))
 
 
 def load_rollout(folder: str | Path) -> list[dict[str, Any]]:
@@ -120,7 +120,8 @@ def load_rollout(folder: str | Path) -> list[dict[str, Any]]:
     if not f.is_file():
         raise FileNotFoundError(f"no rollout in {folder}: run `python -m pipeline stage=rollout` first")
     flat = load_file(str(f))
-    ids = json.loads((folder / "prompts.json").read_text())["ids"]
+    meta = json.loads((folder / "prompts.json").read_text())
+    ids, rank_cap = meta["ids"], int(meta["rank_cap"])
     off = flat["offsets"]
     if len(off) != len(ids) + 1:
         raise ValueError(f"rollout in {folder} is inconsistent: {len(ids)} prompt ids but {len(off) - 1} offsets")
@@ -130,6 +131,7 @@ def load_rollout(folder: str | Path) -> list[dict[str, Any]]:
         r: dict[str, Any] = {k: flat[k][a:b] for k in ARRAYS}
         r["tf_mismatch"] = r["tf_mismatch"].astype(bool)
         r["id"] = pid
+        r["rank_cap"] = rank_cap
         out.append(r)
     return out
 
@@ -137,12 +139,16 @@ def load_rollout(folder: str | Path) -> list[dict[str, Any]]:
 def merge_rollouts(shard_dirs: list[Path], order: list[str], out_dir: Path) -> dict[str, Any]:
     """Merge shard folders back into prompt order `order` (the ids of the unsharded split)."""
     by_id: dict[str, dict] = {}
+    caps = set()
     for d in shard_dirs:
         for r in load_rollout(d):
             by_id[r["id"]] = r
+            caps.add(r["rank_cap"])
+    if len(caps) > 1:
+        raise ValueError(f"cannot merge shards rolled out with different rank caps {sorted(caps)}; rerun them with one profile")
     missing = [i for i in order if i not in by_id]
     if missing:
         raise ValueError(f"cannot merge: {len(missing)} prompts have no shard output (first: {missing[0]}); rerun the missing shards")
     per_prompt = [{k: by_id[i][k] for k in ARRAYS} for i in order]
-    save_rollout(out_dir, order, per_prompt)
+    save_rollout(out_dir, order, per_prompt, caps.pop() if caps else 0)
     return {"prompts": len(order), "shards": len(shard_dirs), "tokens": int(sum(len(r["tokens"]) for r in per_prompt))}

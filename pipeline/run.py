@@ -208,7 +208,7 @@ def stage_merge(cfg: DictConfig) -> Path:
 
 @memo_stage
 def stage_grow(cfg: DictConfig) -> Path:
-    from pipeline.grow import grow_frontier, top_count_tree
+    from pipeline.grow import grow, top_count_tree
     from pipeline.replay import replay_tokens_per_step
     from pipeline.rollout import load_rollout
 
@@ -219,12 +219,13 @@ def stage_grow(cfg: DictConfig) -> Path:
     def build(tmp: Path) -> dict[str, Any]:
         rollouts = load_rollout(rollout_dir)
         budget = int(cfg.profile.grow_budget)
+        K = int(cfg.profile.rank_cap)
         frontier: dict[str, Any] = {}
         for depth in range(1, int(cfg.grow.max_depth) + 1):
-            trees = grow_frontier(rollouts, max_depth=depth, budget=budget)
-            frontier[str(depth)] = [{"paths": [list(p) for p in t],
-                                     "tokens_per_step": replay_tokens_per_step(rollouts, t)} for t in trees]
-        top = top_count_tree(rollouts, budget=budget, max_depth=int(cfg.grow.max_depth))
+            res = grow(rollouts, max_depth=depth, budget=budget, rank_cap=K)
+            frontier[str(depth)] = [{"paths": [list(p) for p in t], "tokens_per_step": float(tps)}
+                                    for t, tps in zip(res.trees, res.tokens_per_step)]
+        top = top_count_tree(rollouts, budget=budget, max_depth=int(cfg.grow.max_depth), rank_cap=K)
         extra = {"top_count": {"paths": [list(p) for p in top], "tokens_per_step": replay_tokens_per_step(rollouts, top)}}
         from runtime.tree import Tree
 
@@ -278,7 +279,8 @@ def stage_recalibrate(cfg: DictConfig) -> Path:
         rollouts = {r["id"]: r for r in load_rollout(rollout_dir)}
         rows = _calib_rows(cfg, int(cfg.profile.recalib_prompts))
         dec = _decoder(cfg, [c["tree"] for c in cands])
-        res = recalibrate(dec, [c["tree"] for c in cands], rows, rollouts, int(cfg.profile.max_new_tokens))
+        res = recalibrate(dec, [c["tree"] for c in cands], rows, rollouts, int(cfg.profile.max_new_tokens),
+                          int(cfg.profile.rank_cap))
         for c, r in zip(cands, res):
             r["paths"] = [list(p) for p in c["tree"].paths]
             r["nodes"] = c["tree"].num_nodes
