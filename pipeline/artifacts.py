@@ -1,9 +1,27 @@
 """Stage bookkeeping shared by every pipeline stage.
 
-Every stage writes its output folder atomically (build in a temporary sibling, then one
-`os.replace`), records a `manifest.json` (config hash, input fingerprints, versions, wall time)
-and is skipped when an up-to-date output already exists. A per-output file lock stops two
-processes building the same artifact at once.
+Every stage builds its output folder in a temporary sibling, records a `manifest.json` (config
+hash, input fingerprints, versions, wall time) and is skipped when an up-to-date output already
+exists. A per-output file lock stops two processes building the same artifact at once: the
+second one waits, then finds the first one's output up to date.
+
+Crash safety of `run_stage` (a job may be killed at any instruction, SIGKILL included):
+
+* the build writes only into `.<name>.partial-<pid>-<random>/`; the manifest is its last file,
+  and every file is fsynced before the folder is published, so a folder under the final name
+  always holds a complete build (an output without a manifest is never "up to date");
+* publishing replaces an existing output in two renames (old -> `.<name>.old-<pid>-<random>`,
+  new -> final name), because POSIX has no portable atomic swap of two non-empty folders.
+  A kill between the two leaves no folder under the final name for an instant; the next
+  `run_stage` for that output (under the lock) first *recovers*: it moves the `.old` folder back
+  if the final one is missing, deletes `.old` folders whose successor was published, and deletes
+  `.partial` folders (while we hold the lock no other process can be building this output, so
+  every one of them belongs to a dead or interrupted run);
+* SIGINT (Ctrl-C) and exceptions in the build delete the partial folder at once.
+
+The lock is `fcntl.flock` on `.<name>.lock` next to the output: released by the kernel when its
+holder dies, so a killed job never leaves a stale lock. It is reliable on local filesystems
+(and on NFSv4); on filesystems without working flock run one job per output.
 """
 
 from __future__ import annotations
@@ -14,6 +32,8 @@ import hashlib
 import json
 import os
 import platform
+import re
+import secrets
 import shutil
 import tempfile
 import time
@@ -24,8 +44,26 @@ from typing import Any
 MANIFEST = "manifest.json"
 
 
+def _fsync_dir(folder: str | Path) -> None:
+    """Make a rename inside `folder` durable (best effort: not every platform can open a folder)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    """Write `data` to `path` so that readers see either the old file or the whole new one.
+
+    The bytes go to a temporary sibling that is fsynced and then renamed over `path`; if anything
+    fails (or the process is interrupted) before the rename, `path` is untouched and the
+    temporary file is removed (a SIGKILL can leave a hidden `.<name>.*.tmp` behind, never a
+    partial `path`).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"atomic_write_bytes writes bytes, got {type(data).__name__}; encode text first")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -34,14 +72,21 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; artifacts are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """`atomic_write_bytes` of `obj` as indented, key-sorted JSON (non-JSON values are written with str()).
+
+    The object is serialised completely before anything is written, so an unserialisable object
+    (e.g. a circular reference) raises without touching `path`.
+    """
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
@@ -112,14 +157,29 @@ def machine_info() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def file_lock(target: str | Path) -> Iterator[None]:
-    """Exclusive lock next to `target`, so two processes never build the same artifact at once."""
+def file_lock(target: str | Path, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Exclusive lock next to `target`, so two processes never build the same artifact at once.
+
+    Blocks until the lock is free; `on_wait(holder)` is called first when another process holds
+    it (`holder` is what that process wrote in the lock file: its pid and host). The kernel
+    releases the lock when its holder exits or is killed, so there are no stale locks.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with open(lock_path, "a+") as f:
         try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                f.seek(0)
+                on_wait(f.read().strip() or "unknown")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {platform.node()}\n")
+            f.flush()
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
@@ -131,9 +191,81 @@ def is_up_to_date(out_dir: str | Path, key: dict[str, Any]) -> bool:
     if not m.is_file():
         return False
     try:
-        return read_json(m).get("key") == json.loads(json.dumps(key, sort_keys=True, default=str))
+        manifest = read_json(m)
+        return isinstance(manifest, dict) and manifest.get("key") == json.loads(json.dumps(key, sort_keys=True, default=str))
     except (OSError, ValueError):
         return False
+
+
+def _partial_re(name: str) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(name)}\.partial-\d+-\w+")
+
+
+def _old_re(name: str) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(name)}\.old-\d+-\w+")
+
+
+def _leftovers(out_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(partial build folders, moved-aside old outputs) that runs of `out_dir` left next to it."""
+    partial, old = _partial_re(out_dir.name), _old_re(out_dir.name)
+    siblings = list(out_dir.parent.iterdir()) if out_dir.parent.is_dir() else []
+    return ([p for p in siblings if partial.fullmatch(p.name)], [p for p in siblings if old.fullmatch(p.name)])
+
+
+def recover_stage_output(out_dir: str | Path, log: Callable[[str], None] = print) -> None:
+    """Undo what a killed `run_stage` of `out_dir` left behind. Call only while holding `file_lock(out_dir)`.
+
+    * the final folder is missing but a moved-aside `.old` one exists (killed between the two
+      renames of a publish): move it back, so the previous artifact is what it was;
+    * `.old` folders next to a published output: their replacement was published, delete them;
+    * `.partial` folders: the lock proves no live run is building this output; delete them.
+    """
+    out_dir = Path(out_dir)
+    partials, olds = _leftovers(out_dir)
+    for p in partials:
+        log(f"removing the partial build {p.name} of an interrupted run")
+        shutil.rmtree(p, ignore_errors=True)
+    if olds and not os.path.lexists(out_dir):
+        newest = max(olds, key=lambda p: p.stat().st_mtime)
+        os.replace(newest, out_dir)
+        olds.remove(newest)
+        _fsync_dir(out_dir.parent)
+        log(f"restored {out_dir} from {newest.name}: a run was interrupted while publishing its output")
+    for p in olds:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under `folder`, so a published output survives a power cut whole."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            p = os.path.join(root, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the finished build `tmp` to `out_dir`, replacing what is there (see the module docstring)."""
+    old = None
+    if os.path.lexists(out_dir):
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old is not None and not os.path.lexists(out_dir):
+            os.replace(old, out_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def run_stage(
@@ -148,17 +280,19 @@ def run_stage(
 
     `key` holds everything the output depends on (config subset, input fingerprints); it is
     stored in the manifest and compared on the next run. `build` writes into a fresh temporary
-    folder that replaces `out_dir` in one rename only after `build` returned, so an interrupted
-    stage never leaves a partial artifact under its final name. Whatever dict `build` returns is
-    stored in the manifest as `summary`.
+    folder that replaces `out_dir` only after `build` returned and the manifest was written, so
+    an interrupted stage never leaves a partial artifact under its final name and the previous
+    output stays intact (see the module docstring for a kill during the swap itself). Whatever
+    dict `build` returns is stored in the manifest as `summary`.
     """
     out_dir = Path(out_dir)
-    with file_lock(out_dir):
+    with file_lock(out_dir, on_wait=lambda holder: log(f"[{name}] waiting for {holder}, which is building {out_dir}")):
+        recover_stage_output(out_dir, log=lambda msg: log(f"[{name}] {msg}"))
         if not force and is_up_to_date(out_dir, key):
             log(f"[{name}] up to date: {out_dir}")
             return out_dir
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; artifacts are meant to be shared
         t0 = time.time()
         try:
@@ -171,16 +305,11 @@ def run_stage(
                 "wall_time_s": round(time.time() - t0, 2),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            atomic_write_json(tmp / MANIFEST, manifest)
-            old = None
-            if out_dir.exists():
-                old = out_dir.parent / f".{out_dir.name}.old.{os.getpid()}"
-                os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            atomic_write_json(tmp / MANIFEST, manifest)  # last: a folder with a manifest is complete
+            _fsync_tree(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        _publish(tmp, out_dir)
         log(f"[{name}] wrote {out_dir} in {time.time() - t0:.1f} s")
         return out_dir
