@@ -9,7 +9,9 @@ Crash safety of `run_stage` (a job may be killed at any instruction, SIGKILL inc
 
 * the build writes only into `.<name>.partial-<pid>-<random>/`; the manifest is its last file,
   and every file is fsynced before the folder is published, so a folder under the final name
-  always holds a complete build (an output without a manifest is never "up to date");
+  always holds a complete build (an output without a manifest is never "up to date"). The
+  manifest lists every file's size and SHA-256, so an output damaged later (an interrupted copy
+  to another machine, a hand edit) is rebuilt rather than trusted;
 * publishing replaces an existing output in two renames (old -> `.<name>.old-<pid>-<random>`,
   new -> final name), because POSIX has no portable atomic swap of two non-empty folders.
   A kill between the two leaves no folder under the final name for an instant; the next
@@ -185,16 +187,60 @@ def file_lock(target: str | Path, on_wait: Callable[[str], None] | None = None) 
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def is_up_to_date(out_dir: str | Path, key: dict[str, Any]) -> bool:
-    """True when `out_dir` holds a complete manifest whose key matches `key`."""
-    m = Path(out_dir) / MANIFEST
+def file_table(folder: str | Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"bytes", "sha256"}} of every regular file under `folder` except the manifest."""
+    folder = Path(folder)
+    table = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink() and p != folder / MANIFEST:
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+            table[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size, "sha256": h.hexdigest()}
+    return table
+
+
+def why_not_up_to_date(out_dir: str | Path, key: dict[str, Any]) -> str | None:
+    """None when `out_dir` is a complete, undamaged output built with `key`; else the reason.
+
+    The manifest lists every file with its size and SHA-256: an output copied between machines
+    incompletely, or edited after the build, is rebuilt instead of being trusted. (Manifests
+    written before the file table existed are checked by key only.)
+    """
+    out_dir = Path(out_dir)
+    m = out_dir / MANIFEST
     if not m.is_file():
-        return False
+        return "no output yet" if not os.path.lexists(out_dir) else f"{out_dir} has no {MANIFEST} (not a complete build)"
     try:
         manifest = read_json(m)
-        return isinstance(manifest, dict) and manifest.get("key") == json.loads(json.dumps(key, sort_keys=True, default=str))
-    except (OSError, ValueError):
-        return False
+    except (OSError, ValueError) as e:
+        return f"{m} is unreadable ({e})"
+    if not isinstance(manifest, dict):
+        return f"{m} is not a manifest"
+    if manifest.get("key") != json.loads(json.dumps(key, sort_keys=True, default=str)):
+        return "its inputs or configuration changed"
+    files = manifest.get("files")
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        return f"{m} has a damaged file table"
+    for rel, want in files.items():
+        p = out_dir / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if not isinstance(want, dict) or p.stat().st_size != want.get("bytes"):
+            return f"{rel} has {p.stat().st_size} bytes, the build wrote {want.get('bytes') if isinstance(want, dict) else '?'}"
+    actual = file_table(out_dir)
+    for rel, want in files.items():
+        if actual.get(rel, {}).get("sha256") != want.get("sha256"):
+            return f"{rel} differs from what the build wrote (checksum mismatch)"
+    return None
+
+
+def is_up_to_date(out_dir: str | Path, key: dict[str, Any]) -> bool:
+    """True when `out_dir` holds a complete manifest whose key matches `key` and whose files are intact."""
+    return why_not_up_to_date(out_dir, key) is None
 
 
 def _partial_re(name: str) -> re.Pattern[str]:
@@ -288,9 +334,12 @@ def run_stage(
     out_dir = Path(out_dir)
     with file_lock(out_dir, on_wait=lambda holder: log(f"[{name}] waiting for {holder}, which is building {out_dir}")):
         recover_stage_output(out_dir, log=lambda msg: log(f"[{name}] {msg}"))
-        if not force and is_up_to_date(out_dir, key):
+        reason = why_not_up_to_date(out_dir, key)
+        if not force and reason is None:
             log(f"[{name}] up to date: {out_dir}")
             return out_dir
+        if os.path.lexists(out_dir):
+            log(f"[{name}] rebuilding {out_dir}: {'forced' if force else reason}")
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; artifacts are meant to be shared
@@ -301,6 +350,7 @@ def run_stage(
                 "stage": name,
                 "key": key,
                 "summary": summary,
+                "files": file_table(tmp),
                 "versions": versions(),
                 "wall_time_s": round(time.time() - t0, 2),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -216,6 +216,36 @@ def test_output_without_manifest_is_not_up_to_date(tmp_path: Path) -> None:
     assert not (out / "part1.txt").read_text().startswith("something")
 
 
+@pytest.mark.parametrize("damage, reason", [
+    (lambda out: (out / "sub" / "part2.txt").write_text("second half of"), "sub/part2.txt has 14 bytes, the build wrote 17"),
+    (lambda out: (out / "sub" / "part2.txt").write_text("SECOND half of A\n"), "checksum mismatch"),
+    (lambda out: (out / "part1.txt").unlink(), "part1.txt is missing"),
+    (lambda out: (out / MANIFEST).write_text('{"key": '), "is unreadable"),
+])
+def test_damaged_output_is_rebuilt_not_trusted(tmp_path: Path, damage, reason: str) -> None:
+    out = tmp_path / "demo"
+    run_stage("demo", out, {"k": "A"}, build_files("A"), log=quiet)
+    before = contents(out)
+    assert set(read_json(out / MANIFEST)["files"]) == {"part1.txt", "sub/part2.txt"}
+    damage(out)  # e.g. an interrupted copy from another machine
+    assert reason in artifacts.why_not_up_to_date(out, {"k": "A"})
+    logs: list[str] = []
+    run_stage("demo", out, {"k": "A"}, build_files("A"), log=logs.append)
+    assert any(reason in m and "rebuilding" in m for m in logs), logs
+    assert contents(out) == before
+
+
+def test_manifest_without_file_table_is_checked_by_key_only(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    run_stage("demo", out, {"k": "A"}, build_files("A"), log=quiet)
+    manifest = read_json(out / MANIFEST)
+    del manifest["files"]
+    atomic_write_json(out / MANIFEST, manifest)
+    (out / "part1.txt").write_text("edited")
+    assert artifacts.is_up_to_date(out, {"k": "A"})
+    assert not artifacts.is_up_to_date(out, {"k": "B"})
+
+
 def test_recovery_restores_a_moved_aside_output_and_cleans_partials(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     run_stage("demo", out, {"k": "A"}, build_files("A"), log=quiet)
