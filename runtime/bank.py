@@ -90,6 +90,12 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
+def _short(x: Any, limit: int = 80) -> str:
+    """repr for an error message, cut short: a damaged field may hold a large nested value."""
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -99,7 +105,7 @@ def _check_figures(k: int, tree: Tree, fig: dict[str, Any], where: str) -> None:
         if key in fig:
             want = tree.num_nodes if key == "nodes" else tree.depth
             if fig[key] != want or not _is_number(fig[key]):
-                raise BankError(f"{where}: tree {k} records {key}={fig[key]!r} but its paths give {want}; "
+                raise BankError(f"{where}: tree {k} records {key}={_short(fig[key])} but its paths give {want}; "
                                 f"the figures belong to another tree, {_REBUILD}")
     for key in _POSITIVE_FIGURES + _AT_LEAST_ONE_FIGURES + _FRACTION_FIGURES:
         v = fig.get(key)
@@ -110,7 +116,7 @@ def _check_figures(k: int, tree: Tree, fig: dict[str, Any], where: str) -> None:
         if not ok:
             rule = ("a finite number > 0" if key in _POSITIVE_FIGURES
                     else "a finite number >= 1" if key in _AT_LEAST_ONE_FIGURES else "a number in [0, 1]")
-            raise BankError(f"{where}: tree {k} has {key}={v!r}, which must be {rule} or null; "
+            raise BankError(f"{where}: tree {k} has {key}={_short(v)}, which must be {rule} or null; "
                             f"the figures are damaged, {_REBUILD}")
 
 
@@ -122,7 +128,7 @@ def _check_policies(policies: dict[str, Any], n_trees: int, where: str) -> None:
         try:
             Scheduler.from_dict(d, n_trees=n_trees)
         except Exception as e:  # noqa: BLE001 - any failure to rebuild means the stored policy is unusable
-            raise BankError(f"{where}: policy {name!r} is not usable ({type(e).__name__}: {e}); "
+            raise BankError(f"{where}: policy {_short(name)} is not usable ({type(e).__name__}: {str(e)[:200]}); "
                             f"refit it or {_REBUILD}") from e
 
 
@@ -282,7 +288,7 @@ def _read_json(jf: Path) -> dict[str, Any]:
         raise BankError(f"{jf} must hold a JSON object, got a JSON {type(doc).__name__}; it is not a bank file, {_REBUILD}")
     version = doc.get("schema_version")
     if isinstance(version, bool) or not isinstance(version, int):
-        raise BankError(f"{jf} has no valid schema_version (got {version!r}): not a bank file or a damaged one; {_REBUILD}")
+        raise BankError(f"{jf} has no valid schema_version (got {_short(version)}): not a bank file or a damaged one; {_REBUILD}")
     if version != SCHEMA_VERSION:
         hint = ("it was written by a newer EntMTP: update this runtime, or rebuild the bank with it"
                 if version > SCHEMA_VERSION else "it was written by an older EntMTP: rebuild the bank with this version")
@@ -303,7 +309,7 @@ def _check_fingerprints(doc: dict[str, Any], folder: Path, model_fp: str | None,
         got = prov.get(f"{what}_fingerprint")
         if expected is None or got == expected:
             continue
-        msg = (f"bank {folder} was built for {what} weights with fingerprint {got!r}, but the loaded {what} has "
+        msg = (f"bank {folder} was built for {what} weights with fingerprint {_short(got)}, but the loaded {what} has "
                f"fingerprint {expected!r}: its trees, figures and thresholds were measured on other weights. "
                f"Rebuild the bank for these weights (`make bank TASK=<task>`), or pass force=True to decode "
                "anyway (still lossless, but slower than its figures say)")
@@ -349,13 +355,13 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
         raise BankError(f"{where}: the same tree is listed twice; {_REBUILD}")
     best = doc.get("best_static")
     if isinstance(best, bool) or not isinstance(best, int) or not 0 <= best < len(trees):
-        raise BankError(f"{where}: best_static={best!r} is not a tree index in 0..{len(trees) - 1}; {_REBUILD}")
+        raise BankError(f"{where}: best_static={_short(best)} is not a tree index in 0..{len(trees) - 1}; {_REBUILD}")
     for key in ("policies", "oracle", "provenance"):
         if not isinstance(doc.get(key), dict):
             raise BankError(f"{where}: {key!r} must be a JSON object, got {type(doc.get(key)).__name__}; {_REBUILD}")
     policies, default = doc["policies"], doc.get("default_policy")
     if not isinstance(default, str) or (default != "static" and default not in policies):
-        raise BankError(f"{where}: default_policy {default!r} is not among the stored policies {sorted(policies)} "
+        raise BankError(f"{where}: default_policy {_short(default)} is not among the stored policies {_short(sorted(policies))} "
                         f"(nor 'static'); {_REBUILD}")
     _check_policies(policies, len(trees), where)
 
