@@ -98,7 +98,11 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     n_new = int(cfg.evaluate.max_new_tokens)
     rows = _calib_rows(cfg, int(cfg.profile.eval_prompts), split="eval")
     model, hydra = load_runtime(cfg)
-    bank = TopologyBank.load(bank_dir, max_depth=hydra.config.num_heads)
+    from runtime.fingerprint import heads_fingerprint, weights_fingerprint
+    from pipeline.run import stage_heads
+
+    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(Path(cfg.artifacts_dir) / "models" / cfg.model.name),
+                             heads_fingerprint=heads_fingerprint(stage_heads(cfg)), max_depth=hydra.config.num_heads)
     mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
 
     methods: dict[str, Decode] = {"AR": _ar_method(model)}
