@@ -115,17 +115,45 @@ class EntMTP:
         return Scheduler(policy_from_dict(self.bank.policies[name]), len(self.bank.trees))
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        """Token ids of `prompt` (text through the chat template unless chat=False, or ids as
+        given). An empty prompt, or text that encodes to no tokens, raises ValueError."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt: give some text or token ids")
             if self.tokenizer is None:
                 raise ValueError("no tokenizer loaded: pass token ids instead of text")
             text = render_chat(self.model_dir, prompt) if chat and self.model_dir else prompt
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        ids = list(prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            if not ids:
+                raise ValueError(f"the prompt {prompt[:40]!r} encodes to no tokens; give some text")
+            return ids
+        ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("empty prompt: give at least one token id")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab}); encode the text with "
+                             "this model's tokenizer")
         return ids
+
+    def fit_context(self, ids: list[int], max_new_tokens: int, truncate: str | None = None) -> list[int]:
+        """Apply the context-window policy of `generate` to prompt ids (see there)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if truncate not in (None, "left"):
+            raise ValueError(f"truncate must be None (raise on an overlong prompt) or 'left' (keep the most recent "
+                             f"tokens), got {truncate!r}")
+        capacity = self.model.max_seq_len
+        tree = max(int(b.depths.numel()) for b in self.bank.buffers)
+        room = capacity - max_new_tokens - tree  # prompt tokens that fit (the decoder's own bound)
+        if room < 1:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) + the largest tree ({tree} nodes) leave no room for a "
+                             f"prompt in the KV cache capacity {capacity}; lower max_new_tokens to at most "
+                             f"{capacity - tree - 1} or load the model with a larger max_seq_len")
+        if len(ids) <= room or truncate is None:
+            return ids  # an overlong prompt without truncate: the decoder raises with the numbers
+        return ids[len(ids) - room:]
 
     def generate(
         self,
@@ -134,10 +162,20 @@ class EntMTP:
         policy: str | None = None,
         stream: Callable[[str], None] | None = None,
         chat: bool = True,
+        truncate: str | None = None,
     ) -> Generation:
         """Decode greedily (lossless: same tokens as plain greedy decoding). `prompt` is text
-        (rendered with the chat template unless chat=False) or token ids. `stream` gets text pieces."""
-        ids = self.encode(prompt, chat)
+        (rendered with the chat template unless chat=False) or token ids. `stream` gets text pieces.
+
+        Context window: the KV cache holds `model.max_seq_len` positions, and a decode needs room
+        for the prompt, `max_new_tokens` and the bank's largest tree. By default (truncate=None) a
+        prompt that does not fit raises ValueError giving those numbers; truncate="left" instead
+        keeps the most recent prompt tokens that fit (for a chat prompt this drops the start of
+        the rendered template, keeping the end of the user turn and the assistant header).
+        `max_new_tokens` so large that not even one prompt token fits raises ValueError naming
+        the capacity, whatever `truncate` says. An empty prompt raises ValueError.
+        """
+        ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate)
         on_tokens = None
         if stream is not None:
             if self.tokenizer is None:
@@ -148,11 +186,18 @@ class EntMTP:
             def on_tokens(toks: list[int]) -> None:
                 emitted.extend(toks)
                 text = self.tokenizer.decode(emitted)
+                # A character split over byte-level tokens (emoji, CJK) decodes as U+FFFD until its
+                # last byte arrives; streaming it then would print a replacement character that the
+                # next piece cannot take back. Hold the text until it decodes cleanly.
+                if text.endswith("\ufffd") or len(text) <= printed[0]:
+                    return
                 stream(text[printed[0]:])
                 printed[0] = len(text)
 
         res = self.decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens)
         text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
+        if stream is not None and len(text) > printed[0]:
+            stream(text[printed[0]:])  # what was held back (generation stopped mid-character)
         stats = res.stats()
         stats["trees_used"] = {self.bank.trees[k].num_nodes: n for k, n in stats["trees_used"].items()}
         return Generation(text=text, tokens=res.tokens, stats=stats, result=res)
