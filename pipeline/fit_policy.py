@@ -173,6 +173,44 @@ def fit_ladder(
     return make(idx), best_rep
 
 
+def fit_hysteresis_fixed(
+    fitter: _Fitter, signal: str, params: dict[str, Any], tau_on: float, tau_off: float
+) -> tuple[Policy, PolicyReplay] | None:
+    """Hysteresis with thresholds fixed by the config: only the (small, large) pair is chosen."""
+    n = fitter.data.n_trees
+    pairs = [(s, l) for s in range(n) for l in range(s + 1, n)]
+    return fitter.best([HysteresisPolicy(tau_on, tau_off, s, l, signal, params) for s, l in pairs])
+
+
+def fit_ladder_fixed(
+    fitter: _Fitter, signal: str, params: dict[str, Any], thresholds: Sequence[float], sweeps: int = 3
+) -> tuple[Policy, PolicyReplay] | None:
+    """Ladder with thresholds fixed by the config: choose the non-decreasing tree of each band by
+    coordinate search (start: the bank's trees spread evenly over the bands)."""
+    n, m = fitter.data.n_trees, len(thresholds) + 1
+    trees = [round(j * (n - 1) / max(m - 1, 1)) for j in range(m)]
+
+    def make(ts: list[int]) -> LadderPolicy:
+        return LadderPolicy(list(thresholds), ts, signal, params)
+
+    best_tps, best_rep = fitter.score(make(trees))
+    for _ in range(sweeps):
+        improved = False
+        for j in range(m):
+            lo = trees[j - 1] if j > 0 else 0
+            hi = trees[j + 1] if j < m - 1 else n - 1
+            for k in range(lo, hi + 1):
+                if k == trees[j]:
+                    continue
+                trial = trees[:j] + [k] + trees[j + 1 :]
+                tps, rep = fitter.score(make(trial))
+                if tps > best_tps:
+                    best_tps, best_rep, trees, improved = tps, rep, trial, True
+        if not improved:
+            break
+    return make(trees), best_rep
+
+
 def fit_expected_throughput(
     fitter: _Fitter,
     signal: str,
@@ -212,13 +250,16 @@ def fit_policies(
     tau_grid: Sequence[float] = PAPER_TAUS,
     fine_search: bool = True,
     bucket_counts: Sequence[int] = (2, 4, 8),
+    fixed_taus: tuple[float, float] | None = None,
+    fixed_thresholds: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """Fit every policy kind over the bank `trees` (ordered by size) with measured `step_costs`.
 
     signals: the (name, params) pairs to try, for every kind, or a dict kind -> pairs.
     tau_grid: the hysteresis grid (the paper's by default); fine_search adds the signal's
     quantiles to the hysteresis grid and lets the ladder search them (without it the ladder
-    searches tau_grid only).
+    searches tau_grid only). fixed_taus = (tau_on, tau_off) / fixed_thresholds: use these values
+    for the hysteresis / ladder kind and fit only which trees they pick.
 
     Returns a JSON-able dict: per kind ("static", "hysteresis", "ladder", "expected_throughput")
     the best policy dict over the signals with its replayed figures (steps, tokens,
@@ -259,7 +300,11 @@ def fit_policies(
         cands = []
         for name, params in per_kind[kind]:
             grid, visits, values = trace(name, params)
-            if kind == "hysteresis":
+            if kind == "hysteresis" and fixed_taus is not None:
+                fitted = fit_hysteresis_fixed(fitter, name, params, *fixed_taus)
+            elif kind == "ladder" and fixed_thresholds is not None:
+                fitted = fit_ladder_fixed(fitter, name, params, fixed_thresholds)
+            elif kind == "hysteresis":
                 fitted = fit_hysteresis(fitter, name, params, grid if fine_search else [], taus=taus)
             elif kind == "hysteresis_paper_grid":
                 fitted = fit_hysteresis(fitter, name, params, [], paper_only=True, taus=taus)
@@ -291,7 +336,8 @@ def fit_all_policies(
 
     policy_cfg is a `conf/policy` group (see `runtime.policy.validate_policy_config`): its kind
     (`name`) is fitted on its own `signal` only, so the bank's default policy is the configured
-    recipe; the other kinds take the best of DEFAULT_SIGNALS. Returns {"policies": {kind:
+    recipe (with its fixed tau_on/tau_off or thresholds when the config gives them); the other
+    kinds take the best of DEFAULT_SIGNALS. Returns {"policies": {kind:
     {"policy": dict, "replay": figures}}, "oracle": figures, "best_kind", "hysteresis_paper_grid",
     "n_replays"}.
     """
@@ -302,6 +348,8 @@ def fit_all_policies(
     kinds = ("hysteresis", "hysteresis_paper_grid", "ladder", "expected_throughput")
     signals = {k: (own if k == name or (k == "hysteresis_paper_grid" and name == "hysteresis") else DEFAULT_SIGNALS) for k in kinds}
     nb = cfg.get("num_buckets")
+    on, off = cfg.get("tau_on"), cfg.get("tau_off")
+    fixed_taus = None if on is None and off is None else (float(on if on is not None else off), float(off if off is not None else on))
     fitted = fit_policies(
         rollouts,
         trees,
@@ -312,6 +360,8 @@ def fit_all_policies(
         tau_grid=tuple(cfg.get("tau_grid") or PAPER_TAUS),
         fine_search=bool(cfg.get("fine_search", True)),
         bucket_counts=(int(nb),) if nb is not None and name == "expected_throughput" else (2, 4, 8),
+        fixed_taus=fixed_taus,
+        fixed_thresholds=cfg.get("thresholds"),
     )
     policies = {
         k: {"policy": fitted[k]["policy"], "replay": {f: v for f, v in fitted[k].items() if f != "policy"}}

@@ -33,27 +33,10 @@ def _force(cfg: DictConfig, stage: str) -> bool:
 
 # ------------------------------------------------------------------------------------ checks
 def validate_config(cfg: DictConfig) -> None:
-    """Fail at start-up, before any long work, on configuration that cannot work."""
-    if cfg.stage not in STAGE_ORDER:
-        raise SystemExit(f"unknown stage {cfg.stage!r}; choose one of: {', '.join(STAGE_ORDER)}")
-    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise SystemExit(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("device=cuda but no CUDA device is visible; use device=cpu")
-    p = cfg.profile
-    if int(p.grow_budget) < 1:
-        raise SystemExit(f"profile.grow_budget must be >= 1, got {p.grow_budget}")
-    if int(cfg.grow.max_depth) > int(cfg.heads.num_heads):
-        raise SystemExit(f"grow.max_depth={cfg.grow.max_depth} exceeds the heads' num_heads={cfg.heads.num_heads}: "
-                         "a tree cannot be deeper than the number of draft heads")
-    if int(cfg.grow.max_depth) < 1:
-        raise SystemExit(f"grow.max_depth must be >= 1, got {cfg.grow.max_depth}")
-    if cfg.model.source == "local" and not Path(str(cfg.model.path)).is_dir():
-        raise SystemExit(f"model.path={cfg.model.path} is not a folder; point it at a Hugging Face model folder")
-    pol = _c(cfg.policy)
-    from runtime.policy import validate_policy_config
+    """Fail at start-up, before any long work, on configuration that cannot work (pipeline/validate.py)."""
+    from pipeline.validate import validate_config as _validate
 
-    validate_policy_config(pol)
+    _validate(cfg)
 
 
 # ------------------------------------------------------------------------------------ stages

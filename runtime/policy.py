@@ -468,7 +468,10 @@ def policy_from_dict(d: dict[str, Any]) -> Policy:
 #   tau_grid: hysteresis thresholds to sweep (the paper's {0.001, 0.005, 0.01, 0.02, 0.05})
 #   fine_search: also search the signal's quantiles; num_buckets: expected-throughput buckets
 #   n_quantiles: how many quantile levels the fine search uses
-POLICY_CONFIG_KEYS = ("name", "signal", "signal_params", "tau_grid", "fine_search", "num_buckets", "n_quantiles")
+#   tau_on / tau_off (hysteresis), thresholds (ladder): fixed values instead of fitted ones; the
+#   fitter then only chooses the trees. One of tau_on / tau_off alone means tau_on = tau_off.
+POLICY_CONFIG_KEYS = ("name", "signal", "signal_params", "tau_grid", "fine_search", "num_buckets", "n_quantiles",
+                      "tau_on", "tau_off", "thresholds")
 
 
 def validate_policy_config(cfg: dict[str, Any]) -> None:
@@ -494,6 +497,28 @@ def validate_policy_config(cfg: dict[str, Any]) -> None:
         v = cfg.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
             raise ValueError(f"policy.{key} must be an int >= {lo}, got {v!r}")
+    # fixed thresholds instead of fitted ones (the fitter then only picks the trees)
+    on, off = cfg.get("tau_on"), cfg.get("tau_off")
+    if on is not None or off is not None:
+        if name != "hysteresis":
+            raise ValueError(f"policy.tau_on / policy.tau_off only apply to the hysteresis policy (policy.name is {name!r}); "
+                             "remove them or use policy=hysteresis")
+        on = _check_finite("policy.tau_on", on if on is not None else off)
+        off = _check_finite("policy.tau_off", off if off is not None else on)
+        if off > on:
+            raise ValueError(f"policy.tau_off={off} > policy.tau_on={on}: hysteresis switches up when the signal exceeds "
+                             "tau_on and down when it falls to tau_off, so it needs tau_off <= tau_on; swap or fix them")
+    th = cfg.get("thresholds")
+    if th is not None:
+        if name != "ladder":
+            raise ValueError(f"policy.thresholds only apply to the ladder policy (policy.name is {name!r}); "
+                             "remove them or use policy=ladder")
+        if isinstance(th, (str, bytes)) or not isinstance(th, Sequence) or not th:
+            raise ValueError(f"policy.thresholds must be a non-empty list of numbers, got {th!r}")
+        try:
+            _check_increasing("policy.thresholds", th)
+        except ValueError as e:
+            raise ValueError(f"{e}; list the ladder thresholds in strictly increasing order") from None
 
 
 # ----------------------------------------------------------------------------- scheduler
