@@ -1,0 +1,526 @@
+"""Compact Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) for tree-speculative decoding.
+
+Batch size 1. The KV cache is preallocated once for every layer, in one tensor
+`[layers, 2 (K/V), kv_heads, max_seq_len, head_dim]`, so that compacting it after a tree verify
+is a single gather. A forward call appends its n new tokens at cache slots
+`cache_len .. cache_len+n-1` (in input order); each new token attends to every committed slot and,
+among the new ones, to those its row of `mask` allows. Positions are explicit, so a tree node at
+depth d sits at RoPE position `cache_len + d` while occupying any slot.
+
+Only torch, safetensors and tokenizers are imported here (the runtime's dependency rule).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE, else {"rope_type": "linear"|"llama3", "factor": ..., ...} (HF keys)
+    rope_scaling: dict[str, Any] | None = None
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v only
+    o_bias: bool = False  # Llama `attention_bias: true` also puts a bias on o_proj
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # Mistral: we refuse caches longer than the window
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelArgs.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type")
+            if kind not in ("linear", "llama3"):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported; use None, 'linear' or 'llama3'")
+            if "factor" not in self.rope_scaling:
+                raise ValueError(f"rope_scaling {self.rope_scaling} lacks 'factor'")
+            if kind == "llama3":
+                missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                           if k not in self.rope_scaling]
+                if missing:
+                    raise ValueError(f"llama3 rope_scaling lacks {', '.join(missing)}")
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Read a Hugging Face `config.json` dict (transformers 4 or 5 layout)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; this runtime handles "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family) checkpoints")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; only SwiGLU (silu) MLPs are")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported by this runtime")
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}; is this a Llama-family config?")
+
+        theta, scaling = _read_rope(cfg)
+        dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=cfg.get("sliding_window") if model_type == "mistral" else None,
+        )
+
+
+def _read_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either layout: transformers 4 keeps `rope_theta` at the top level and
+    the scaling in `rope_scaling` ({"type"|"rope_type": ...}); transformers 5 puts both in
+    `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported (not a Llama-family config)")
+    legacy = cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    source = legacy or params
+    kind = source.get("rope_type", source.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {kind!r} is not supported; use one of {', '.join(SUPPORTED_ROPE_TYPES)} "
+                         "(dynamic/yarn/longrope scaling depends on the sequence length and is left out)")
+    if float(source.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return float(theta), None
+    scaling = {k: v for k, v in source.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = kind
+    if kind == "llama3":
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    return float(theta), scaling
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """Per-pair inverse frequencies (float32, [head_dim/2]) with the checkpoint's scaling applied."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(args: ModelArgs, max_len: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """cos and sin tables [max_len, head_dim] in float32 (each frequency repeated for both halves)."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(args))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate `x` [n, heads, head_dim] by cos/sin [n, 1, head_dim] (rotate-half convention), in float32."""
+    x = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers. Inside the model activations are 2-D [n, dim]: batch size is always 1, and a plain
+# matrix product is the cheapest call on the one-token path.
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # one C++ call instead of five Python-dispatched ones (it matters on the one-token path);
+        # it computes the statistics in float32 for bf16/fp16 inputs too
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        # q, k and v in one matrix product: one call instead of three on the latency-bound path
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: Tensor | None) -> Tensor:
+        """x [n, dim]; kv is this layer's cache [2, kv_heads, max_seq, head_dim]; mask [groups*n, start+n]
+        (rows ordered group-major, see `Transformer._attention_mask`) or None = attend to everything."""
+        n = x.shape[0]
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(n, h + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
+        end = start + n
+        kv[0, :, start:end] = qk[:, h:].transpose(0, 1)
+        kv[1, :, start:end] = qkv[:, h + kvh:].transpose(0, 1)
+        # GQA without copying K/V: the query heads sharing a KV head are stacked along the query
+        # axis, so attention runs per KV head over [groups*n] query rows.
+        # (4-D inputs: SDPA's fused CPU kernel only takes those; 3-D ones fall back to the math path)
+        groups = h // kvh
+        q = qk[:, :h].view(n, kvh, groups, hd).permute(1, 2, 0, 3).reshape(1, kvh, groups * n, hd)
+        out = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask)
+        out = out.view(kvh, groups, n, hd).permute(2, 0, 1, 3).reshape(n, h * hd)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: Tensor | None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Llama-family causal LM, batch size 1, with a preallocated KV cache (see module docstring)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # an inference runtime: the base model is frozen, so no autograd graph is ever built
+        self.requires_grad_(False)
+        self.register_buffer("kv_cache", None, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self._layer_caches: list[Tensor] = []
+        self._cache_len = 0
+        self.max_seq_len = 0
+
+    # -- cache ------------------------------------------------------------------------------
+
+    def setup_cache(self, max_seq_len: int) -> None:
+        """Allocate the KV cache for `max_seq_len` positions (in the weights' dtype) and empty it."""
+        if not isinstance(max_seq_len, int) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        a = self.args
+        if max_seq_len > a.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{a.max_position_embeddings}; ask for a shorter cache")
+        if a.sliding_window is not None and max_seq_len > a.sliding_window:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the sliding window {a.sliding_window}, "
+                             "which this runtime does not implement; ask for a shorter cache")
+        weight = self.output.weight
+        self.kv_cache = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq_len, a.head_dim,
+                                    dtype=weight.dtype, device=weight.device)
+        self._layer_caches = list(self.kv_cache.unbind(0))  # views, so the big tensor stays the one truth
+        self.rope_cos, self.rope_sin = rope_tables(a, max_seq_len, weight.device)
+        self.max_seq_len = max_seq_len
+        self._cache_len = 0
+
+    @property
+    def cache_len(self) -> int:
+        """Number of committed positions in the KV cache."""
+        return self._cache_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    def reset_cache(self) -> None:
+        self._cache_len = 0
+
+    def truncate_cache(self, length: int) -> None:
+        """Forget every slot from `length` on."""
+        if not 0 <= length <= self._cache_len:
+            raise ValueError(f"cannot truncate the cache to {length}: it holds {self._cache_len} positions")
+        self._cache_len = int(length)
+
+    def keep_cache(self, start: int, keep: Tensor) -> None:
+        """After a tree verify: move slots `start + keep[i]` to `start + i` for every layer in one
+        gather, then set cache_len = start + len(keep). `keep` must be increasing offsets (a path
+        root..leaf in node order), which is what makes the moves safe to do in place."""
+        if keep.dim() != 1 or keep.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"keep must be a 1-D integer tensor, got shape {tuple(keep.shape)} dtype {keep.dtype}")
+        if not 0 <= start <= self._cache_len:
+            raise ValueError(f"start {start} is outside the committed cache [0, {self._cache_len}]")
+        m, avail = keep.numel(), self._cache_len - start
+        if m > avail:
+            raise ValueError(f"cannot keep {m} slots: only {avail} were written after start {start}")
+        if m:
+            lo, hi = int(keep.min()), int(keep.max())
+            if lo < 0 or hi >= avail:
+                raise ValueError(f"keep offsets must lie in [0, {avail}); got min {lo} max {hi}")
+            src = keep.to(device=self.kv_cache.device, dtype=torch.int64) + start
+            self.kv_cache[:, :, :, start:start + m] = self.kv_cache.index_select(3, src)
+        self._cache_len = start + m
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def _attention_mask(self, mask: Tensor | None, start: int, n: int) -> Tensor | None:
+        """Boolean mask [groups*n, start+n] for SDPA (True = may attend), or None for one token
+        that sees everything. Built once per call and shared by all layers."""
+        if mask is not None:
+            if mask.shape != (n, n) or mask.dtype != torch.bool:
+                raise ValueError(f"mask must be a bool tensor of shape ({n}, {n}), got {tuple(mask.shape)} "
+                                 f"{mask.dtype}")
+            if not bool(mask.diagonal().all()):
+                raise ValueError("mask must let every new token attend to itself (its diagonal must be True)")
+        if n == 1:
+            return None
+        full = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+        if mask is None:
+            full[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        else:
+            full[:, start:] = mask
+        groups = self.args.n_groups
+        return full.repeat(groups, 1) if groups > 1 else full
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
+                last_only: bool = False) -> tuple[Tensor, Tensor]:
+        """Run n new tokens. tokens [1, n] (int64), input_pos [n] absolute RoPE positions, mask
+        [n, n] bool over the new tokens (None = causal). Appends their K/V after the committed
+        cache and advances cache_len by n.
+
+        Returns (logits [1, n, V] float32, hidden [1, n, dim]) where hidden is the final-normed
+        state the lm_head reads. With last_only=True the logits are for the last token only
+        ([1, 1, V]); hidden is still returned for all n (a prefill needs only one row of logits).
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated: call setup_cache(max_seq_len) first")
+        if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must have shape [1, n] with n >= 1 (batch size 1), got {tuple(tokens.shape)}")
+        n = tokens.shape[1]
+        if input_pos.shape != (n,):
+            raise ValueError(f"input_pos must have shape [{n}], got {tuple(input_pos.shape)}")
+        start = self._cache_len
+        if start + n > self.max_seq_len:
+            raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
+                             "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
+        attn_mask = self._attention_mask(mask, start, n)
+        cos = self.rope_cos[input_pos].unsqueeze(1)
+        sin = self.rope_sin[input_pos].unsqueeze(1)
+
+        x = self.tok_embeddings(tokens[0])
+        for layer, kv in zip(self.layers, self._layer_caches):
+            x = layer(x, cos, sin, kv, start, attn_mask)
+        self._cache_len = start + n
+        hidden = self.norm(x)
+        logits = self.output(hidden[-1:] if last_only else hidden).float()
+        return logits.unsqueeze(0), hidden.unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+_THREADS_SET = False
+
+
+def _set_threads_once() -> None:
+    global _THREADS_SET
+    if not _THREADS_SET:
+        torch.set_num_threads(_threads())
+        _THREADS_SET = True
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: pass a Hugging Face model folder (config.json + safetensors)")
+    cfg = json.loads(cfg_file.read_text())
+    # the generation config may add stop tokens (e.g. chat models that end turns with a second id)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        extra = json.loads(gen_file.read_text()).get("eos_token_id")
+        base = cfg.get("eos_token_id")
+        ids = [] if base is None else [base] if isinstance(base, int) else list(base)
+        for t in [] if extra is None else [extra] if isinstance(extra, int) else extra:
+            if t not in ids:
+                ids.append(t)
+        cfg = {**cfg, "eos_token_id": ids}
+    return cfg
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; this runtime loads safetensors only (no pickle)")
+    return files
+
+
+# HF checkpoint keys that carry no weights we need
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _convert_hf_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """Rename HF Llama/Qwen2 weights to this module's names, fusing q/k/v and gate/up."""
+    hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    used: set[str] = set()
+
+    def take(key: str) -> Tensor:
+        if key not in hf:
+            raise ValueError(f"checkpoint lacks {key!r}; is it a {args.n_layers}-layer Llama-family model?")
+        used.add(key)
+        return hf[key]
+
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    for i in range(args.n_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        out[q + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+        out[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[q + "attention.wqkv.weight"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        if args.qkv_bias:
+            out[q + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        out[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        if args.o_bias:
+            out[q + "attention.wo.bias"] = take(p + "self_attn.o_proj.bias")
+        out[q + "feed_forward.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[q + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+    if args.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints still store a copy; the embedding wins, as in HF
+        out["output.weight"] = out["tok_embeddings.weight"]
+    elif "lm_head.weight" in hf:
+        out["output.weight"] = take("lm_head.weight")
+    else:
+        raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
+    unexpected = sorted(set(hf) - used)
+    if unexpected:
+        raise ValueError(f"checkpoint has weights this runtime does not know: {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''}")
+    return out
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int = 2048,
+               device: str | torch.device = "cpu") -> Transformer:
+    """Load a Hugging Face Llama-family folder (config.json + *.safetensors) and allocate its cache."""
+    from safetensors import safe_open
+
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    _set_threads_once()
+    path = Path(path)
+    args = ModelArgs.from_hf_config(_read_config(path))
+    hf: dict[str, Tensor] = {}
+    for f in _safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                hf[k] = st.get_tensor(k).to(dtype)
+    state = _convert_hf_state(hf, args)
+    del hf
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    if args.tie_embeddings:  # assign=True replaced the embedding Parameter; point the head at it again
+        model.output.weight = model.tok_embeddings.weight
+    model.requires_grad_(False)
+    model = model.to(device).eval()
+    model.setup_cache(max_seq_len)
+    return model
+
+
+def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer
+    """The fast tokenizer of a model folder (or a tokenizer.json path)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: the runtime needs the model's tokenizer.json")
+    return Tokenizer.from_file(str(file))
