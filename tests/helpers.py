@@ -16,8 +16,10 @@ predict the root token again), so drafts vary and are sometimes, not always, acc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,28 @@ class TinyBundle:
     model_dir: Path
     heads_dir: Path
     bank_dir: Path
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with `n` torch threads, then restore the previous count.
+
+    The tests decode a tiny model: each op is so small that a second thread only adds
+    synchronisation, and on a busy shared machine (where the other thread's core is taken) that
+    makes decoding 10-40x slower. `runtime.model.load_model` sets all cores once per process,
+    so the tests set this around each test rather than once."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def pin_to_one_cpu() -> None:
+    """`preexec_fn` for child interpreters: one CPU, so the runtime (which uses every CPU it may
+    run on) decodes the tiny model single-threaded, for the reason given in `torch_threads`."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
 def python_exe() -> str:
@@ -174,6 +198,11 @@ def make_tiny_bank(folder: Path, model_dir: Path, heads_dir: Path, trees: tuple[
 
 
 def build_tiny_bundle(root: Path, tokenizer_dir: Path) -> TinyBundle:
+    with torch_threads(1):
+        return _build_tiny_bundle(root, tokenizer_dir)
+
+
+def _build_tiny_bundle(root: Path, tokenizer_dir: Path) -> TinyBundle:
     model_dir = make_tiny_model(root / "models" / MODEL_NAME, tokenizer_dir)
     heads_dir = make_tiny_heads(model_dir, root / "heads" / MODEL_NAME / HEADS_NAME)
     bank_dir = make_tiny_bank(root / "banks" / MODEL_NAME / HEADS_NAME / TASK_NAME, model_dir, heads_dir)

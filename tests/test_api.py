@@ -15,10 +15,16 @@ import torch
 
 from runtime.bank import BankError, BankFingerprintWarning, TopologyBank
 from runtime.decoder import GenerationResult, StepRecord
-from tests.helpers import BANK_TREES, TinyBundle, copy_bundle, tiny_bundle
+from tests.helpers import BANK_TREES, TinyBundle, copy_bundle, tiny_bundle, torch_threads
 
 PROMPT = "Write a haiku about trees."
 NEW_TOKENS = 12  # few tokens: the CPU is shared; enough for several tree steps
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
