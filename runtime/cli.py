@@ -52,6 +52,8 @@ def _export(args: argparse.Namespace) -> int:
     from runtime.export import export_tree
 
     bank = TopologyBank.load(args.bank, force=True)
+    if args.tree != "best" and not args.tree.lstrip("-").isdigit():
+        raise ValueError(f"--tree must be 'best' or a tree index (0..{len(bank.trees) - 1}), got {args.tree!r}")
     k = bank.best_static if args.tree == "best" else int(args.tree)
     if not 0 <= k < len(bank.trees):
         raise BankError(f"tree {k} out of range: the bank has {len(bank.trees)} trees (0..{len(bank.trees) - 1})")
