@@ -108,6 +108,7 @@ def test_export_bad_tree_index(bundle: TinyBundle, tree: str, capsys: pytest.Cap
     assert main(["export", str(bundle.bank_dir), "--tree", tree]) == 2
     err = capsys.readouterr().err
     assert err.startswith("entmtp: error:") and err.count("\n") == 1
+    assert "0..2" in err, err  # says which indices exist
 
 
 def test_console_script_is_declared() -> None:

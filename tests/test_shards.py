@@ -129,8 +129,8 @@ def test_merge_refuses_missing_shard(runtime_pair, rows: list[dict], tmp_path: P
 
 
 def _pipeline(artifacts: Path, data: Path, bundle: TinyBundle, *overrides: str) -> subprocess.CompletedProcess:
-    # model=local reads the tiny model in place; it sits under <artifacts>/models/<model.name>, where
-    # the pipeline's Layout also looks for it (fingerprints, bank provenance)
+    # model=local reads the tiny model in place; it sits where the model stage would have put it,
+    # <artifacts>/models/<model.name> (older Layouts derived the model folder from the name)
     cmd = [python_exe(), "-m", "pipeline", *overrides,
            "model=local", f"model.name={MODEL_NAME}", f"model.path={artifacts / 'models' / MODEL_NAME}",
            f"heads.dir={bundle.heads_dir}", "task=humaneval", "dtype=float32", "threads=1",
