@@ -98,11 +98,14 @@ class EntMTP:
                                  force=force)
         return cls(model, heads, bank, load_tokenizer(model_dir), model_dir)
 
-    def scheduler(self, policy: str | None = None) -> Scheduler | int:
-        """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput), an
-        integer tree index as a string, or None for the bank's default."""
-        name = policy or self.bank.default_policy
-        if name.isdigit():
+    def scheduler(self, policy: str | int | None = None) -> Scheduler | int:
+        """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput), a
+        tree index (an int, or its digits as a string), or None for the bank's default."""
+        # `is None`, not `or`: policy=0 (the smallest tree) must not mean "the default policy"
+        name = self.bank.default_policy if policy is None else policy
+        if isinstance(name, bool) or not isinstance(name, (str, int)):
+            raise ValueError(f"policy must be a policy name, a tree index or None, got {name!r}")
+        if isinstance(name, int) or name.isdigit():
             k = int(name)
             if not 0 <= k < len(self.bank.trees):
                 raise ValueError(f"tree index {k} out of range: the bank has {len(self.bank.trees)} trees")
@@ -110,8 +113,8 @@ class EntMTP:
         if name == "static" and "static" not in self.bank.policies:
             return self.bank.best_static
         if name not in self.bank.policies:
-            raise ValueError(f"unknown policy {name!r}; this bank has: {', '.join(['static', *sorted(self.bank.policies)])} "
-                             "or a tree index")
+            names = sorted({"static", *self.bank.policies})
+            raise ValueError(f"unknown policy {name!r}; this bank has: {', '.join(names)} or a tree index")
         return Scheduler(policy_from_dict(self.bank.policies[name]), len(self.bank.trees))
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
@@ -159,7 +162,7 @@ class EntMTP:
         self,
         prompt: str | Sequence[int],
         max_new_tokens: int = 128,
-        policy: str | None = None,
+        policy: str | int | None = None,
         stream: Callable[[str], None] | None = None,
         chat: bool = True,
         truncate: str | None = None,
