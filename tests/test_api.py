@@ -171,6 +171,22 @@ def test_tree_index_out_of_range(engine) -> None:
     n = len(engine.bank.trees)
     with pytest.raises(ValueError, match=f"tree index {n} out of range.*{n} trees"):
         engine.generate(PROMPT, 2, policy=str(n))
+    with pytest.raises(ValueError, match=f"tree index {n} out of range"):
+        engine.generate(PROMPT, 2, policy=n)
+    with pytest.raises(ValueError, match="tree index -1 out of range"):
+        engine.generate(PROMPT, 2, policy=-1)
+    with pytest.raises(ValueError, match="policy must be a policy name, a tree index or None"):
+        engine.generate(PROMPT, 2, policy=True)
+
+
+def test_integer_tree_index_is_that_tree(engine) -> None:
+    """policy=0 is the smallest tree, not "no policy given" (the default policy)."""
+    assert engine.bank.default_policy != "0"
+    for k in (0, len(engine.bank.trees) - 1):
+        out = engine.generate([7, 8, 9], 4, policy=k)
+        assert out.result.steps, "the generation stopped before any tree step"
+        assert {s.tree for s in out.result.steps} == {k}
+        assert out.stats["trees_used"] == {engine.bank.trees[k].num_nodes: len(out.result.steps)}
 
 
 def test_bad_dtype(bundle: TinyBundle) -> None:
