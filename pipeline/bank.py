@@ -51,9 +51,8 @@ def build_bank(
     plot_acceptance_frontier(frontier, out / "acceptance_frontier.png", provenance.get("task", ""))
     plot_throughput_frontier(cands, hull, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)
     plot_step_latency(cands, timing["ar_token_ms"], out / "step_latency.png", provenance)
-    text = bank.summary()
     return {"trees": len(trees), "best_static_nodes": trees[best].num_nodes, "best_static_depth": trees[best].depth,
-            "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"], "text": text}
+            "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"]}
 
 
 def _machine_line(provenance: dict) -> str:

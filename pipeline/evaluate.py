@@ -99,15 +99,15 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     rows = _calib_rows(cfg, int(cfg.profile.eval_prompts), split="eval")
     model, hydra = load_runtime(cfg)
     from runtime.fingerprint import heads_fingerprint, weights_fingerprint
-    from pipeline.run import stage_heads
+    from pipeline.run import stage_heads, stage_model
 
-    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(Path(cfg.artifacts_dir) / "models" / cfg.model.name),
+    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(stage_model(cfg)),
                              heads_fingerprint=heads_fingerprint(stage_heads(cfg)), max_depth=hydra.config.num_heads)
     mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
 
     methods: dict[str, Decode] = {"AR": _ar_method(model)}
     if cfg.evaluate.hf_generate:
-        methods["HF generate"] = _hf_method(Path(cfg.artifacts_dir) / "models" / cfg.model.name)
+        methods["HF generate"] = _hf_method(stage_model(cfg))
     try:
         _, medusa = load_runtime(cfg, heads_name="medusa")
         methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc]), 0)

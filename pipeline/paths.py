@@ -20,10 +20,6 @@ class Layout:
     def from_cfg(cls, cfg: Any) -> Layout:
         return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, cfg.heads.name, cfg.task.name, cfg.profile.name)
 
-    @property
-    def model_dir(self) -> Path:
-        return self.artifacts / "models" / self.model_name
-
     def heads_dir(self, heads_name: str | None = None) -> Path:
         return self.artifacts / "heads" / self.model_name / (heads_name or self.heads_name)
 

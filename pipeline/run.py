@@ -138,7 +138,7 @@ def _inputs_key(cfg: DictConfig) -> dict[str, Any]:
     heads_dir = stage_heads(cfg)
     calib = read_split(Path(cfg.data_dir), lay.task, "calib")
     return {
-        "model": model_fingerprint(lay.model_dir),
+        "model": model_fingerprint(stage_model(cfg)),
         "heads": heads_fingerprint(heads_dir),
         "calib": hash_obj([r["input_ids"] for r in calib]),
         "dtype": resolve_dtype(cfg),
@@ -324,10 +324,10 @@ def stage_bank(cfg: DictConfig) -> Path:
             frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=_c(cfg.policy),
             provenance={
                 "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
-                "model_fingerprint": model_fingerprint(lay.model_dir),
+                "model_fingerprint": model_fingerprint(stage_model(cfg)),
                 "heads_fingerprint": heads_fingerprint(heads_dir),
                 # relative to the bank folder, so a moved checkout still finds its weights
-                "model_dir": os.path.relpath(lay.model_dir.resolve(), lay.bank_dir.resolve()),
+                "model_dir": os.path.relpath(stage_model(cfg).resolve(), lay.bank_dir.resolve()),
                 "heads_dir": os.path.relpath(Path(heads_dir).resolve(), lay.bank_dir.resolve()),
                 "calib_hash": _inputs_key(cfg)["calib"], "dtype": resolve_dtype(cfg), "machine": machine_info(),
                 "config": _c(cfg),
@@ -335,7 +335,10 @@ def stage_bank(cfg: DictConfig) -> Path:
         )
 
     out = run_stage("bank", lay.bank_dir, key, build, force=_force(cfg, "bank"))
-    print(read_json(out / "manifest.json")["summary"].get("text", ""))
+    if cfg.stage == "bank":
+        from runtime.bank import TopologyBank
+
+        print(TopologyBank.load(out).summary())
     return out
 
 
