@@ -1,0 +1,86 @@
+"""Long runs (issue 7): many steps with a tree switch at every step keep memory flat (the KV caches
+are preallocated, nothing accumulates per step) and stay lossless. Fast version on a tiny model;
+the full 2,000-token SmolLM2 run is the slow test (pipeline/benchmarks/long_run.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.benchmarks.long_run import BANK, format_report, long_run, switching_scheduler
+from runtime.heads import DraftHeads, HeadsConfig
+from runtime.model import ModelArgs, Transformer
+
+NEW_TOKENS = 600
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices gain nothing from threads; on a busy shared CPU two spinning OpenMP threads
+    made tiny-model decoding 15-50x slower (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_setup(prompt_len: int, new_tokens: int, kind: str = "hydra", prefix: bool = True, seed: int = 0):
+    torch.manual_seed(seed)
+    vocab = 48
+    args = ModelArgs(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     intermediate_size=64, eos_token_ids=(vocab - 1,), max_position_embeddings=4096)
+    model = Transformer(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.setup_cache(prompt_len + new_tokens + 100)
+    heads = DraftHeads(HeadsConfig.for_model(args, kind=kind, num_heads=4, prefix_layer=prefix))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    heads.bind(model)
+    return model.eval(), heads.eval()
+
+
+def test_switching_scheduler_changes_tree_every_step() -> None:
+    s = switching_scheduler(3)
+    picks = [s.choose(0.5, [0.5] * 4, 1.0) for _ in range(7)]
+    assert picks == [0, 1, 2, 0, 1, 2, 0]
+
+
+# seeds whose random heads get drafts accepted now and then (so the KV compaction really runs)
+@pytest.mark.parametrize("kind,prefix,seed", [("hydra", True, 2), ("medusa", False, 0)])
+def test_long_run_is_lossless_with_flat_memory(kind: str, prefix: bool, seed: int) -> None:
+    prompt = list(range(3, 12))
+    model, heads = tiny_setup(len(prompt), NEW_TOKENS, kind, prefix, seed)
+    r = long_run(model, heads, prompt, NEW_TOKENS, sample_every=100)
+    print(format_report(r))
+    assert r["new_tokens"] == NEW_TOKENS and r["lossless"], r["first_mismatch"]
+    assert r["switches"] == r["steps"] - 1, "the schedule must change tree at every step"
+    assert set(r["trees_used"]) == {t.num_nodes for t in BANK}
+    assert r["steps"] < NEW_TOKENS - 50, "hardly any draft was accepted: the test would not exercise cache compaction"
+    assert r["kv_cache_same_buffer"], "the KV cache was reallocated during decoding"
+    # nothing accumulates per step: no extra live tensors, and RSS within allocator noise
+    assert r["tensors_end"] <= r["tensors_start"] + 2, (r["tensors_start"], r["tensors_end"])
+    assert abs(r["tensor_mb_end"] - r["tensor_mb_start"]) < 0.5
+    growth_mb = r["rss_end_mb"] - r["samples"][1]["rss_mb"]  # after the first 100 steps (warm-up)
+    assert growth_mb < 4.0, format_report(r)
+
+
+@pytest.mark.slow
+def test_smollm2_2000_tokens_switching_every_step(smollm2_dir: Path) -> None:
+    """The real thing: SmolLM2-135M, 2,000 tokens, a tree switch at every step (benchmark's main path)."""
+    from pipeline.benchmarks.long_run import _heads_for
+    from runtime.api import render_chat
+    from runtime.model import load_model, load_tokenizer
+
+    torch.set_num_threads(2)
+    tok = load_tokenizer(smollm2_dir)
+    prompt = tok.encode(render_chat(smollm2_dir, "Tell me a very long story about the sea."), add_special_tokens=False).ids
+    model = load_model(smollm2_dir, max_seq_len=len(prompt) + 2000 + 100)
+    heads, _ = _heads_for(model, smollm2_dir, None, seed=0)
+    r = long_run(model, heads, prompt, 2000, count_tensors=False)
+    print(format_report(r))
+    assert r["new_tokens"] == 2000 and r["switches"] == r["steps"] - 1 and r["kv_cache_same_buffer"]
+    assert r["lossless"], f"first mismatch at token {r['first_mismatch']} (a floating-point tie would show here too)"
+    assert r["rss_end_mb"] - r["samples"][1]["rss_mb"] < 32.0, format_report(r)
