@@ -497,12 +497,14 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
     cache = artifacts_dir / "cache" / "heads" / model_dir.name
 
     def build(tmp: Path) -> dict[str, Any]:
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
+        threads = torch.get_num_threads()  # load_model may reset it; keep the caller's choice
         sd_dir = cache / f"selfdistill-{hash_obj([s.data_dict(), data_hash, fingerprint])}"
         train_seqs = build_selfdistill(model_dir, train_rows, s, sd_dir / "train", log)
         hold_seqs = build_selfdistill(model_dir, hold_rows, s, sd_dir / "holdout", log)
-        t_data = time.time() - t0
+        t_data, c_data = time.time() - t0, time.process_time() - c0
         model = load_model(model_dir, dtype=torch.float32, max_seq_len=min(args.max_position_embeddings, 2048))
+        torch.set_num_threads(threads)
         torch.manual_seed(s.seed)
         heads = DraftHeads(config)
         heads.bind(model)
@@ -517,8 +519,11 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
             "name": name, "kind": config.kind, "prefix_layer": config.prefix_layer, "output": config.output,
             "train_sequences": len(train_seqs), "train_positions": int(sum(len(x["tokens"]) for x in train_seqs)),
             "steps": fit["steps"], "loss_first": fit["loss_first"], "loss_last": fit["loss_last"],
+            # wall time depends on what else the machine runs; CPU time (this process) is the
+            # better figure to extrapolate from on a shared machine
             "wall_s": {"data": round(t_data, 1), "train_this_run": fit["seconds_this_run"],
                        "total_this_run": round(time.time() - t0, 1)},
+            "cpu_s": {"data": round(c_data, 1), "total_this_run": round(time.process_time() - c0, 1)},
             "machine": machine_info(), "base_fingerprint": fingerprint,
         })
         save_heads(heads, tmp, dtype=_DTYPES[s.save_dtype])
@@ -558,9 +563,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data-dir", default="data")
     p.add_argument("--artifacts-dir", default="artifacts")
     p.add_argument("--force", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--set", action="append", default=[], metavar="train.KEY=VALUE",
                    help="override a train setting, e.g. --set train.max_steps=200")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     conf = Path(__file__).resolve().parent.parent / "conf" / "heads"
     for name in a.heads:
         cfg = yaml.safe_load((conf / f"{name}.yaml").read_text())
