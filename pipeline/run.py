@@ -111,11 +111,11 @@ def resolve_dtype(cfg: DictConfig) -> str:
 
 
 @cache
-def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, threads: int | None):
+def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, threads: int | None, device: str):
     from runtime.heads import load_heads
     from runtime.model import load_model
 
-    model = load_model(model_dir, dtype=getattr(torch, dtype), max_seq_len=max_seq_len)
+    model = load_model(model_dir, dtype=getattr(torch, dtype), max_seq_len=max_seq_len, device=device)
     if threads:
         torch.set_num_threads(threads)
     heads = load_heads(heads_dir, model=model)
@@ -125,7 +125,8 @@ def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, 
 def load_runtime(cfg: DictConfig, heads_name: str | None = None):
     lay = Layout.from_cfg(cfg)
     heads_dir = stage_heads(cfg) if heads_name is None else lay.heads_dir(heads_name)
-    return _load_runtime(str(stage_model(cfg)), str(heads_dir), resolve_dtype(cfg), int(cfg.model.max_seq_len), cfg.threads)
+    return _load_runtime(str(stage_model(cfg)), str(heads_dir), resolve_dtype(cfg), int(cfg.model.max_seq_len), cfg.threads,
+                         str(cfg.device))
 
 
 @memo_stage
@@ -184,7 +185,7 @@ def stage_merge(cfg: DictConfig) -> Path:
         OmegaConf.update(sub, "rollout.shard", k)
         shard_dirs.append(stage_rollout(sub))
     order = [r["id"] for r in _calib_rows(cfg, int(cfg.profile.calib_prompts))]
-    key = {**_inputs_key(cfg), "num_shards": n}
+    key = _inputs_key(cfg)  # the merged rollout does not depend on how it was sharded
     return run_stage("merge", lay.work / "rollout", key, lambda tmp: merge_rollouts(shard_dirs, order, tmp),
                      force=_force(cfg, "merge"))
 

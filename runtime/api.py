@@ -75,6 +75,7 @@ class EntMTP:
         dtype: str | None = None,
         max_seq_len: int = 2048,
         force: bool = False,
+        device: str = "cpu",
     ) -> EntMTP:
         """Load the bank, then the model and heads it was built for (paths from its provenance
         unless given). `dtype` defaults to the bank's (the one its figures were measured in)."""
@@ -91,7 +92,7 @@ class EntMTP:
         dt = dtype or prov.get("dtype") or "float32"
         if dt not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dt!r}")
-        model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len)
+        model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len, device=device)
         heads = load_heads(heads_dir, model=model)
         bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_dir),
                                  heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.config.num_heads,

@@ -116,7 +116,7 @@ class TreeDecoder:
             raise ValueError(f"a tree has depth {max_depth} but the heads draft only {heads.config.num_heads} tokens")
         self.model = model
         self.heads = heads
-        self.trees = list(trees)
+        self.trees = [t.to(model.device) for t in trees]  # buffers live where the model computes
         self.acceptance = acceptance
         # Python-side copies of the small per-tree index lists used in the accept loop: reading
         # tensors element by element would cost more than the rest of the accept step.
@@ -203,9 +203,11 @@ class TreeDecoder:
         heads.reset()
         result = GenerationResult(tokens=[])
         t0 = time.perf_counter()
-        ids = torch.tensor([list(input_ids)], dtype=torch.long)
-        logits, hidden = model(ids, torch.arange(ids.shape[1]), last_only=True)
-        h = heads.observe(hidden, torch.arange(ids.shape[1]))
+        dev = model.device
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=dev)
+        prompt_pos = torch.arange(ids.shape[1], device=dev)
+        logits, hidden = model(ids, prompt_pos, last_only=True)
+        h = heads.observe(hidden, prompt_pos)
         last = logits[0, -1]
         root = int(last.argmax())
         if not fixed:
@@ -229,9 +231,9 @@ class TreeDecoder:
             tokens = heads.propose(h, root, buf)
             logits, hidden = model(tokens[None], pos + buf.depths, buf.attn_mask)
             path, bonus = self._accept(k, tokens, logits[0], gen)
-            keep = torch.tensor(path, dtype=torch.long)
+            keep = torch.tensor(path, dtype=torch.long, device=dev)
             model.keep_cache(pos, keep)
-            h = heads.observe(hidden[:, keep], pos + torch.arange(len(path)))
+            h = heads.observe(hidden[:, keep], pos + torch.arange(len(path), device=dev))
             emitted = tokens[keep[1:]].tolist() + [bonus]
             # stop at EOS / the token budget, mid-step if need be
             room = max_new_tokens - len(result.tokens)
@@ -270,7 +272,7 @@ def greedy_chain_top1(heads: DraftHeads, h: torch.Tensor, root: int) -> list[flo
     """p_1..p_D: each head's top-1 probability along the heads' own greedy chain from `root`."""
     D = heads.config.num_heads
     h = h.reshape(1, -1)
-    tokens = torch.full((1, D), int(root), dtype=torch.long)
+    tokens = torch.full((1, D), int(root), dtype=torch.long, device=h.device)
     probs = []
     for d in range(1, D + 1):
         states = heads.head_states(h, tokens, heads=d)[:, -1:]          # head d only

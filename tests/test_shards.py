@@ -4,7 +4,7 @@ Function level (fast): `run_rollout` over `shard_rows(rows, k, 2)` for k = 0, 1,
 `merge_rollouts`, against `run_rollout` over all rows: every array equal, prompt order restored.
 
 Launcher level (slow): the same through the real entry point, `python -m pipeline -m
-stage=rollout rollout.num_shards=2 rollout.shard=0,1 hydra/launcher=joblib` (two processes) and
+stage=rollout rollout.num_shards=2 rollout.shard=0,1 hydra/launcher=joblib_shards` (two processes) and
 `stage=merge`, against `stage=merge rollout.num_shards=1` in another artifacts folder.
 """
 
@@ -149,7 +149,7 @@ def test_joblib_sharded_rollout_equals_single_process(bundle: TinyBundle, tmp_pa
         shutil.copytree(bundle.model_dir, art / "models" / MODEL_NAME)
 
     _pipeline(sharded, data, bundle, "-m", "stage=rollout", "rollout.num_shards=2", "rollout.shard=0,1",
-              "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+              "hydra/launcher=joblib_shards", "hydra.launcher.n_jobs=2")
     work = sharded / "rollouts" / MODEL_NAME / "hydra" / "humaneval" / "cpu"
     shards = [work / "shards" / f"{k}-of-2" for k in range(2)]
     for s in shards:
