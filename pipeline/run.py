@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.artifacts import atomic_write_json, hash_obj, machine_info, read_json, run_stage
+from pipeline.artifacts import atomic_write_json, hash_obj, is_up_to_date, machine_info, read_json, run_stage
 from pipeline.model import model_fingerprint, provision_model
 from pipeline.paths import Layout
 from runtime.fingerprint import heads_fingerprint
@@ -178,6 +178,10 @@ def stage_merge(cfg: DictConfig) -> Path:
     from pipeline.rollout import merge_rollouts
 
     lay = Layout.from_cfg(cfg)
+    key = _inputs_key(cfg)  # the merged rollout does not depend on how it was sharded
+    out = lay.work / "rollout"
+    if not _force(cfg, "merge") and is_up_to_date(out, key):
+        return out  # merged earlier, from however many shards
     n = int(cfg.rollout.num_shards)
     shard_dirs = []
     for k in range(n):
@@ -185,9 +189,7 @@ def stage_merge(cfg: DictConfig) -> Path:
         OmegaConf.update(sub, "rollout.shard", k)
         shard_dirs.append(stage_rollout(sub))
     order = [r["id"] for r in _calib_rows(cfg, int(cfg.profile.calib_prompts))]
-    key = _inputs_key(cfg)  # the merged rollout does not depend on how it was sharded
-    return run_stage("merge", lay.work / "rollout", key, lambda tmp: merge_rollouts(shard_dirs, order, tmp),
-                     force=_force(cfg, "merge"))
+    return run_stage("merge", out, key, lambda tmp: merge_rollouts(shard_dirs, order, tmp), force=_force(cfg, "merge"))
 
 
 @memo_stage
