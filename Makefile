@@ -30,14 +30,17 @@ prepare: install
 bank: install
 	$(PY) -m pipeline stage=bank task=$(TASK) $(ARGS)
 
+# all three tasks, then one plot comparing their banks (artifacts/reports/<model>/<heads>/task_comparison.png)
 banks: install
 	$(PY) -m pipeline -m stage=bank task=humaneval,gsm8k,sharegpt $(ARGS)
+	$(PY) -m pipeline stage=compare $(ARGS)
 
 eval: install
 	$(PY) -m pipeline stage=evaluate task=$(TASK) $(ARGS)
 
 eval-all: install
 	$(PY) -m pipeline -m stage=evaluate task=humaneval,gsm8k,sharegpt $(ARGS)
+	$(PY) -m pipeline stage=compare $(ARGS)
 
 test: model
 	$(PY) -m pytest -q

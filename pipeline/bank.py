@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import ScalarFormatter  # noqa: E402
 
 from pipeline.rollout import load_rollout  # noqa: E402
 from pipeline.timing import throughput_hull  # noqa: E402
@@ -87,6 +88,7 @@ def plot_throughput_frontier(cands: list[dict], hull: list[int], ar_tok_s: float
     ax.plot(hx, [cands[k]["tok_per_s"] for k in hull], "k-o", mfc="none", ms=9, label="bank (throughput hull)")
     ax.axhline(ar_tok_s, color="gray", ls="--", label=f"AR {ar_tok_s:.1f} tok/s")
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("tree nodes (with root)")
     ax.set_ylabel("end-to-end tok/s")
     ax.set_title(f"Throughput frontier: {provenance.get('task', '')}\n{_machine_line(provenance)}", fontsize=10)
@@ -104,6 +106,7 @@ def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: d
         ax.plot([c["nodes"] for c in sel], [c["step_ms"] for c in sel], "o-", label=f"depth {depth}")
     ax.axhline(ar_ms, color="gray", ls="--", label=f"AR token {ar_ms:.1f} ms")
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("tree nodes (with root)")
     ax.set_ylabel("step latency, ms (draft + verify + accept)")
     ax.set_title(f"Step latency on this machine\n{_machine_line(provenance)}", fontsize=10)

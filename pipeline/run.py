@@ -20,7 +20,7 @@ from pipeline.paths import Layout
 from runtime.fingerprint import heads_fingerprint
 
 TRAIN_TASKS = ("humaneval", "gsm8k", "sharegpt")
-STAGE_ORDER = ("model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank", "evaluate")
+STAGE_ORDER = ("model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank", "evaluate", "compare")
 
 
 def _c(node: Any) -> dict[str, Any]:
@@ -233,6 +233,10 @@ def candidate_trees(cfg: DictConfig) -> list[dict[str, Any]]:
     doc = read_json(stage_grow(cfg) / "frontier.json")
     sizes = set(int(s) for s in cfg.grow.candidate_sizes)
     seen, out = set(), []
+    if 0 in sizes:  # the root alone is plain AR decoding: the bank's floor on unpredictable text
+        root_only = Tree([])
+        seen.add(root_only)
+        out.append({"tree": root_only, "max_depth": 0, "replay_tokens_per_step": 1.0})
     for depth, entries in doc["frontier"].items():
         for e in entries:
             t = Tree(e["paths"])
@@ -356,10 +360,20 @@ def stage_evaluate(cfg: DictConfig) -> Path:
                      force=_force(cfg, "evaluate"))
 
 
+def stage_compare(cfg: DictConfig) -> Path:
+    """Task dependence: the banks of every task side by side (run after `make banks`)."""
+    from pipeline.compare import compare_banks
+
+    lay = Layout.from_cfg(cfg)
+    out = lay.artifacts / "reports" / lay.model_name / lay.heads_name
+    compare_banks(lay.bank_dir.parent, lay.work.parent.parent, out, list(TRAIN_TASKS))
+    return out
+
+
 STAGES = {
     "model": stage_model, "heads": stage_heads, "prepare": stage_prepare, "rollout": stage_rollout,
     "merge": stage_merge, "grow": stage_grow, "recalibrate": stage_recalibrate, "time": stage_time,
-    "bank": stage_bank, "evaluate": stage_evaluate,
+    "bank": stage_bank, "evaluate": stage_evaluate, "compare": stage_compare,
 }
 
 
