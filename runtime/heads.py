@@ -213,6 +213,9 @@ class PrefixLayer(nn.Module):
         """Append n committed positions x [n, dim] to the cache; return their outputs [n, dim]."""
         if self.kv is None:
             raise RuntimeError("the prefix layer has no cache: call DraftHeads.bind(model) first")
+        w = self.norm.weight
+        if self.kv.dtype != w.dtype or self.kv.device != w.device:  # heads moved/cast after bind()
+            self.kv = self.kv.to(w)
         n, start = x.shape[0], self.cache_len
         if start + n > self.kv.shape[2]:
             raise ValueError(f"the prefix layer's cache holds {self.kv.shape[2]} positions; {start} are used "

@@ -268,3 +268,16 @@ def test_bind_and_propose_errors() -> None:
         heads.propose(torch.zeros(1, ARGS.dim), 0, TreeBuffers.compile(Tree.chain(4)))
     with pytest.raises(ValueError, match="input_pos"):
         heads.observe(torch.zeros(1, 3, ARGS.dim), torch.arange(2))
+
+
+def test_prefix_cache_follows_a_cast_after_bind() -> None:
+    model = tiny_model()
+    heads = random_heads(model, "hydra", True, "shared")
+    hidden = torch.randn(1, 6, ARGS.dim)
+    ref = heads.observe(hidden, torch.arange(6))
+    heads.reset()
+    heads.to(torch.bfloat16)  # e.g. a bf16 runtime: the prefix cache must follow
+    out = heads.observe(hidden, torch.arange(6))
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), ref, atol=0.1, rtol=0.05)
+    toks = heads.propose(out, 3, TreeBuffers.compile(Tree.chain(4)))
+    assert toks.shape == (5,)
