@@ -245,9 +245,10 @@ def config_problems(cfg: DictConfig) -> list[str]:
         c.add(f"grow.max_depth={max_depth} exceeds heads.num_heads={num_heads}: a tree cannot be deeper than the "
               f"number of draft heads; set grow.max_depth<={num_heads}")
     sizes = c.get("grow.candidate_sizes")
-    if not isinstance(sizes, list) or not sizes or not all(_is_int(s) and s >= 1 for s in sizes):
-        c.add(f"grow.candidate_sizes={sizes!r} must be a non-empty list of integers >= 1 (tree sizes, root excluded)")
-    elif budget is not None and min(sizes) > budget:
+    if not isinstance(sizes, list) or not sizes or not all(_is_int(s) and s >= 0 for s in sizes):
+        c.add(f"grow.candidate_sizes={sizes!r} must be a non-empty list of integers >= 0 (draft nodes, root "
+              "excluded; 0 = the root alone, i.e. AR)")
+    elif budget is not None and min(s for s in sizes) > budget:
         c.add(f"grow.candidate_sizes={sizes} are all above profile.grow_budget={budget}, so no grown tree would be "
               "decoded; add sizes <= the budget or raise the budget")
 
