@@ -19,7 +19,7 @@ __all__ = ["ar_generate", "load_model", "load_tokenizer", "main"]
 
 def check_prompt(model: Transformer, input_ids: list[int], max_new_tokens: int) -> None:
     """Raise ValueError when the prompt is unusable or prompt + max_new_tokens does not fit the cache."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     if len(input_ids) == 0:
         raise ValueError("input_ids is empty: the prompt needs at least one token")

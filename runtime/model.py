@@ -130,7 +130,7 @@ def _read_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if params and any(isinstance(v, dict) for v in params.values()):
         raise ValueError("per-layer-type rope_parameters are not supported (not a Llama-family config)")
     legacy = cfg.get("rope_scaling") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
     source = legacy or params
     kind = source.get("rope_type", source.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
