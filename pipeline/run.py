@@ -227,7 +227,12 @@ def stage_grow(cfg: DictConfig) -> Path:
 
 @memo_stage
 def candidate_trees(cfg: DictConfig) -> list[dict[str, Any]]:
-    """The frontier trees that get real decoding and timing: a size grid per max depth."""
+    """The frontier trees that get real decoding and timing: a size grid over every max depth.
+
+    At one size, a tree whose replayed tokens/step is more than `grow.candidate_tolerance` below
+    the best tree of that size is dropped: it verifies as many nodes for fewer tokens, and only a
+    much cheaper draft (shallower Hydra chain) could save it — the tolerance keeps those close
+    enough for that to matter."""
     from runtime.tree import Tree
 
     doc = read_json(stage_grow(cfg) / "frontier.json")
@@ -237,10 +242,16 @@ def candidate_trees(cfg: DictConfig) -> list[dict[str, Any]]:
         root_only = Tree([])
         seen.add(root_only)
         out.append({"tree": root_only, "max_depth": 0, "replay_tokens_per_step": 1.0})
+    best_at: dict[int, float] = {}
+    for entries in doc["frontier"].values():
+        for e in entries:
+            n = len(e["paths"])
+            best_at[n] = max(best_at.get(n, 0.0), e["tokens_per_step"])
+    tol = float(cfg.grow.candidate_tolerance)
     for depth, entries in doc["frontier"].items():
         for e in entries:
             t = Tree(e["paths"])
-            if len(t) in sizes and t not in seen:
+            if len(t) in sizes and t not in seen and e["tokens_per_step"] >= (1 - tol) * best_at[len(t)]:
                 seen.add(t)
                 out.append({"tree": t, "max_depth": int(depth), "replay_tokens_per_step": e["tokens_per_step"]})
     out.sort(key=lambda c: (c["tree"].num_nodes, c["tree"].depth))
