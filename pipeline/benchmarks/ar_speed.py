@@ -66,9 +66,10 @@ def transformers_engine(model_dir: Path, dtype: torch.dtype) -> Engine:
             pass
 
     def run(ids: list[int], n: int) -> tuple[list[int], float, float]:
-        # eos disabled so every engine produces exactly n tokens (we compare speeds, not lengths)
+        # EOS disabled so every engine produces exactly n tokens (we compare speeds, not lengths);
+        # eos_token_id=None would fall back to the model's EOS, an empty list really disables it
         gc = GenerationConfig(max_new_tokens=n, do_sample=False, num_beams=1,
-                              eos_token_id=None, pad_token_id=hf.config.pad_token_id or 0)
+                              eos_token_id=[], pad_token_id=hf.config.pad_token_id or 0)
         streamer = FirstToken()
         x = torch.tensor([ids])
         t0 = time.perf_counter()
