@@ -5,7 +5,8 @@
 One greedy decode of `--new-tokens` tokens (EOS ignored) with a schedule that changes the tree at
 *every* step, cycling through a bank of three trees (a chain, a small branching tree and the
 63-node Medusa/Hydra default): the decoder's real per-step path (p0 and entropy of the base
-logits, the heads' greedy chain for the signal, drafting, verify, KV compaction) runs each step.
+logits, drafting, verify, KV compaction; with --reads-heads also the heads' greedy chain that
+head-reading signals need) runs each step.
 Every 100 steps it records the process RSS (/proc/self/statm), the live torch tensors (count and
 bytes, found through the garbage collector) and, on a GPU, torch's allocated bytes. It then
 decodes the same prompt with plain AR greedy decoding and compares the tokens.
@@ -37,7 +38,7 @@ import torch
 from runtime.decoder import TreeDecoder
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
-from runtime.policy import GreedyPathSignal, LadderPolicy, Scheduler
+from runtime.policy import LadderPolicy, Scheduler, Signal, greedy_path_value
 from runtime.tree import Tree, TreeBuffers
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -66,18 +67,19 @@ def live_tensors() -> tuple[int, int]:
     return n, total
 
 
-class CyclingSignal(GreedyPathSignal):
-    """Computes the real greedy-path signal (so the decoder runs the heads' greedy chain, as it
-    does for head-reading signals) and then returns the step number modulo `n`, so that a ladder
-    with thresholds 0.5, 1.5, ... picks a different tree at every step."""
+class CyclingSignal(Signal):
+    """Computes a real signal (p0, or with reads_heads the greedy-path value, for which the decoder
+    then runs the heads' greedy chain every step) and returns the step number modulo `n` instead,
+    so that a ladder with thresholds 0.5, 1.5, ... picks a different tree at every step."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, reads_heads: bool = False) -> None:
+        self.name = "greedy_path" if reads_heads else "p0"  # what the decoder looks at to run the chain
         self.n = n
         self.step = 0
         self.last = float("nan")
 
     def observe(self, p0: float, head_top1: Sequence[float], entropy: float) -> float:
-        self.last = super().observe(p0, head_top1, entropy)
+        self.last = greedy_path_value(p0, head_top1) if self.name == "greedy_path" else p0
         v = float(self.step % self.n)
         self.step += 1
         return v
@@ -86,10 +88,10 @@ class CyclingSignal(GreedyPathSignal):
         self.step = 0
 
 
-def switching_scheduler(n_trees: int) -> Scheduler:
+def switching_scheduler(n_trees: int, reads_heads: bool = False) -> Scheduler:
     """A scheduler that moves to the next tree of the bank (cyclically) at every step."""
-    sched = Scheduler(LadderPolicy([j + 0.5 for j in range(n_trees - 1)], signal="greedy_path"), n_trees)
-    sched.signal = CyclingSignal(n_trees)
+    sched = Scheduler(LadderPolicy([j + 0.5 for j in range(n_trees - 1)], signal="p0"), n_trees)
+    sched.signal = CyclingSignal(n_trees, reads_heads)
     return sched
 
 
@@ -109,13 +111,15 @@ def long_run(
     sample_every: int = 100,
     compare_ar: bool = True,
     count_tensors: bool = True,
+    reads_heads: bool = False,
 ) -> dict[str, Any]:
     """Decode `new_tokens` tokens (EOS ignored) switching tree every step; sample memory every
-    `sample_every` steps; compare with AR greedy decoding. Returns the figures (JSON-able)."""
+    `sample_every` steps; compare with AR greedy decoding. reads_heads: also run the heads' greedy
+    chain every step (what head-reading signals cost). Returns the figures (JSON-able)."""
     from runtime.generate import ar_generate
 
     dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees])
-    sched = switching_scheduler(len(trees))
+    sched = switching_scheduler(len(trees), reads_heads)
     kv_ptr, kv_bytes = model.kv_cache.data_ptr(), model.kv_cache.nbytes
     samples: list[dict[str, Any]] = []
     steps = [0]
@@ -155,6 +159,7 @@ def long_run(
         "tokens_per_step": res.tokens_per_step,
         "decode_s": dt,
         "trees_used": {trees[k].num_nodes: used.count(k) for k in sorted(set(used))},
+        "signal": sched.signal.name,
         "kv_cache_same_buffer": model.kv_cache.data_ptr() == kv_ptr and model.kv_cache.nbytes == kv_bytes,
         "kv_cache_mb": kv_bytes / 2**20,
         "rss_start_mb": rss[0],
@@ -181,7 +186,7 @@ def long_run(
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"{r['new_tokens']} new tokens after a {r['prompt_tokens']}-token prompt in {r['steps']} steps "
              f"({r['tokens_per_step']:.3f} tokens/step), {r['switches']} tree switches, {r['decode_s']:.1f} s"]
-    lines.append(f"trees used (nodes: steps): {r['trees_used']}")
+    lines.append(f"trees used (nodes: steps): {r['trees_used']}; signal computed each step: {r['signal']}")
     lines.append(f"KV cache {r['kv_cache_mb']:.1f} MB, same buffer throughout: {r['kv_cache_same_buffer']}")
     lines.append(f"RSS start {r['rss_start_mb']:.1f} MB, max {r['rss_max_mb']:.1f} MB, end {r['rss_end_mb']:.1f} MB, "
                  f"growth {r['rss_growth_mb_per_1000_steps']:+.2f} MB per 1,000 steps")
@@ -224,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the runtime's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-ar", action="store_true", help="skip the AR greedy comparison")
+    p.add_argument("--reads-heads", action="store_true",
+                   help="compute the heads' greedy chain every step too (head-reading signals; much slower)")
     p.add_argument("--out", default=str(REPORT_DIR / "long_run.json"))
     a = p.parse_args(argv)
 
@@ -237,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     heads, heads_desc = _heads_for(model, model_dir, a.heads_dir, seed=0)
     print(f"model {model_dir} ({a.dtype}, {torch.get_num_threads()} threads); {heads_desc}")
-    r = long_run(model, heads, prompt, a.new_tokens, sample_every=a.sample_every, compare_ar=not a.no_ar)
+    r = long_run(model, heads, prompt, a.new_tokens, sample_every=a.sample_every, compare_ar=not a.no_ar,
+                 reads_heads=a.reads_heads)
     r.update({"heads": heads_desc, "dtype": a.dtype, "threads": torch.get_num_threads(), "machine": machine_info()})
     print(format_report(r))
     atomic_write_json(a.out, r)
