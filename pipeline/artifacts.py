@@ -43,44 +43,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from runtime.fingerprint import files_fingerprint
+from runtime.io import atomic_write_bytes, fsync_dir
+
+__all__ = ["atomic_write_bytes", "atomic_write_json", "files_fingerprint", "fsync_dir"]  # re-exported for stages
+
 MANIFEST = "manifest.json"
-
-
-def _fsync_dir(folder: str | Path) -> None:
-    """Make a rename inside `folder` durable (best effort: not every platform can open a folder)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one.
-
-    The bytes go to a temporary sibling that is fsynced and then renamed over `path`; if anything
-    fails (or the process is interrupted) before the rename, `path` is untouched and the
-    temporary file is removed (a SIGKILL can leave a hidden `.<name>.*.tmp` behind, never a
-    partial `path`).
-    """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"atomic_write_bytes writes bytes, got {type(data).__name__}; encode text first")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; artifacts are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -106,22 +74,11 @@ def hash_obj(obj: Any) -> str:
     return hash_bytes(json.dumps(obj, sort_keys=True, default=str).encode())[:16]
 
 
-def fingerprint_files(paths: list[Path], chunk: int = 1 << 20) -> str:
-    """SHA-256 over the contents of `paths` (in the given order), truncated to 16 hex chars."""
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.name.encode())
-        with open(p, "rb") as f:
-            while block := f.read(chunk):
-                h.update(block)
-    return h.hexdigest()[:16]
-
-
 def fingerprint_dir(folder: str | Path, pattern: str = "*.safetensors") -> str:
     files = sorted(Path(folder).glob(pattern))
     if not files:
         raise FileNotFoundError(f"no {pattern} files in {folder}: nothing to fingerprint")
-    return fingerprint_files(files)
+    return files_fingerprint(files)
 
 
 def versions() -> dict[str, str]:
@@ -275,7 +232,7 @@ def recover_stage_output(out_dir: str | Path, log: Callable[[str], None] = print
         newest = max(olds, key=lambda p: p.stat().st_mtime)
         os.replace(newest, out_dir)
         olds.remove(newest)
-        _fsync_dir(out_dir.parent)
+        fsync_dir(out_dir.parent)
         log(f"restored {out_dir} from {newest.name}: a run was interrupted while publishing its output")
     for p in olds:
         shutil.rmtree(p, ignore_errors=True)
@@ -293,7 +250,7 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(root)
+        fsync_dir(root)
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
@@ -309,7 +266,7 @@ def _publish(tmp: Path, out_dir: Path) -> None:
             os.replace(old, out_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(out_dir.parent)
+    fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

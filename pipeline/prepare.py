@@ -70,7 +70,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import fingerprint_files, hash_bytes, read_json, run_stage
+from pipeline.artifacts import files_fingerprint, hash_bytes, read_json, run_stage
 from pipeline.model import find_package_file
 
 SPLITS = ("eval", "calib", "train")
@@ -582,7 +582,7 @@ def _tokenizer_fingerprint(model_dir: Path) -> str:
     files = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
     if not files:
         raise FileNotFoundError(f"{model_dir} holds none of {TOKENIZER_FILES}; run the model stage first")
-    return fingerprint_files(files)
+    return files_fingerprint(files)
 
 
 def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_dir: Path, data_dir: Path,
@@ -602,7 +602,7 @@ def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_di
         "version": PREPARE_VERSION,
         "task": cfg,
         "max_prompt_tokens": max_tokens,
-        "source_fingerprint": fingerprint_files([source]),
+        "source_fingerprint": files_fingerprint([source]),
         "tokenizer_fingerprint": _tokenizer_fingerprint(model_dir),
     }
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +36,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
+from runtime.io import atomic_write_bytes
 from runtime.tree import Tree, TreeBuffers, TreeError
 
 # 2: adds the seals (buffers_sha256, buffers_bytes, doc_sha256). Version 1 banks had none.
@@ -202,8 +201,8 @@ class TopologyBank:
         folder.mkdir(parents=True, exist_ok=True)
         # Tensors first: if we are stopped between the two files, the old bank.json's seal no
         # longer matches and load refuses the pair instead of mixing two builds.
-        _atomic_write(folder / BUFFERS, blob)
-        _atomic_write(folder / BANK_JSON, (json.dumps(doc, indent=2) + "\n").encode())
+        atomic_write_bytes(folder / BUFFERS, blob)
+        atomic_write_bytes(folder / BANK_JSON, (json.dumps(doc, indent=2) + "\n").encode())
         self.path = folder
         return folder
 
@@ -256,21 +255,6 @@ class TopologyBank:
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a bank is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _read_json(jf: Path) -> dict[str, Any]:

@@ -199,7 +199,7 @@ def test_buffers_of_another_build(bank_dir: Path, tmp_path: Path) -> None:
 
 def test_interrupted_save_between_the_two_files_is_detected(bank_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     writes = []
-    real = bank_mod._atomic_write
+    real = bank_mod.atomic_write_bytes
 
     def write_then_die(path: Path, data: bytes) -> None:
         if writes:
@@ -207,7 +207,7 @@ def test_interrupted_save_between_the_two_files_is_detected(bank_dir: Path, monk
         writes.append(path)
         real(path, data)
 
-    monkeypatch.setattr(bank_mod, "_atomic_write", write_then_die)
+    monkeypatch.setattr(bank_mod, "atomic_write_bytes", write_then_die)
     with pytest.raises(KeyboardInterrupt):
         make_bank([Tree.chain(1), Tree.chain(2)]).save(bank_dir)
     assert writes == [bank_dir / BUFFERS]
