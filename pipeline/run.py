@@ -89,6 +89,23 @@ def stage_heads(cfg: DictConfig) -> Path:
     return train_heads(hc, model_dir, Path(cfg.data_dir), Path(cfg.artifacts_dir), force=_force(cfg, "heads"))
 
 
+def pick_decode_dtype(model_dir: Path, sizes: tuple[int, ...] = (1, 8, 16), context: int = 256) -> dict[str, Any]:
+    """Time fp32 and bf16 forwards side by side (interleaved) at the sizes a decode step uses and
+    keep the dtype with the lower summed latency. No assumption about the CPU: some have native
+    bf16 matrix units (AMX), others emulate bf16 and are slower in it."""
+    from pipeline.benchmarks.cost_curve import measure_cost_curves
+    from runtime.model import load_model
+
+    models = {d: load_model(model_dir, dtype=getattr(torch, d), max_seq_len=context + max(sizes) + 1)
+              for d in ("float32", "bfloat16")}
+    rows = measure_cost_curves(models, list(sizes), [context], repeats=3)
+    cost = {d: sum(r["median_ms"] for r in rows if r["model"] == d) for d in models}
+    best = min(cost, key=cost.get)
+    print(f"[dtype] step cost over new tokens {list(sizes)} at context {context}: "
+          + ", ".join(f"{d} {c:.1f} ms" for d, c in cost.items()) + f" -> {best}")
+    return {"dtype": best, "cost_ms": cost, "rows": rows}
+
+
 @memo_stage
 def resolve_dtype(cfg: DictConfig) -> str:
     """`dtype: auto` picks the faster dtype for tree decoding on this machine, measured once."""
@@ -103,8 +120,6 @@ def resolve_dtype(cfg: DictConfig) -> str:
         doc = read_json(f)
         if doc.get("machine", {}).get("cpu") == mach["cpu"] and doc.get("machine", {}).get("cores") == mach["cores"]:
             return doc["dtype"]
-    from pipeline.benchmarks.cost_curve import pick_decode_dtype
-
     choice = pick_decode_dtype(stage_model(cfg))
     atomic_write_json(f, {**choice, "machine": mach})
     return choice["dtype"]
