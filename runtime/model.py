@@ -215,10 +215,12 @@ class Linear(nn.Linear):
         self.weight_t = self.weight.detach().t().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight_t is not None and x.dim() == 2:
+        wt = self.weight_t
+        # (a float32 check: after a cast to bf16 these products would fall to a slow generic kernel)
+        if wt is not None and wt.dtype == torch.float32 and x.dim() == 2:
             n = x.shape[0]
             if n == 1:
-                y = x @ self.weight_t
+                y = x @ wt
             elif n <= SMALL_ROWS:
                 y = (self.weight @ x.t()).t()
             else:
