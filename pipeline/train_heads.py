@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 

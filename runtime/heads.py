@@ -22,12 +22,9 @@ published Hydra/Medusa checkpoints are read by `runtime.published`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.io import atomic_write_bytes
 from runtime.model import ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
 from runtime.tree import TreeBuffers
 
@@ -484,20 +482,6 @@ def check_base_fingerprint(config: HeadsConfig, expected: str | None, where: str
                          f"{expected}: retrain the heads for this model (e.g. `make heads`)")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def save_heads(heads: DraftHeads, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write config.json + heads.safetensors (the heads' own weights only, never the shared
     lm_head or the embeddings), each atomically. `dtype` casts the floating weights (bf16 halves
@@ -517,8 +501,8 @@ def save_heads(heads: DraftHeads, folder: str | Path, dtype: torch.dtype | None 
         raise ValueError(f"heads weights mix dtypes {float_dtypes}; cast the heads to one dtype before saving")
     dtype_name = next(k for k, v in _DTYPES.items() if v in float_dtypes)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype_name, **heads.config.to_dict()}
-    _atomic_write(folder / WEIGHTS_FILE, save(state, metadata={"format": "pt", "entmtp": FORMAT}))
-    _atomic_write(folder / CONFIG_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(folder / WEIGHTS_FILE, save(state, metadata={"format": "pt", "entmtp": FORMAT}))
+    atomic_write_bytes(folder / CONFIG_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     return folder
 
 
