@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.benchmarks.long_run import BANK, format_report, long_run, switching_scheduler
+from pipeline.benchmarks.long_run import BANK, format_report, long_run, switching_scheduler, teacher_forced_check
 from runtime.heads import DraftHeads, HeadsConfig
 from runtime.model import ModelArgs, Transformer
 
@@ -67,6 +67,19 @@ def test_long_run_is_lossless_with_flat_memory(kind: str, prefix: bool, seed: in
     assert abs(r["tensor_mb_end"] - r["tensor_mb_start"]) < 0.5
     growth_mb = r["rss_end_mb"] - r["samples"][1]["rss_mb"]  # after the first 100 steps (warm-up)
     assert growth_mb < 4.0, format_report(r)
+
+
+def test_teacher_forced_check_accepts_greedy_and_flags_a_wrong_token() -> None:
+    from tests.test_decoder import ar_greedy
+
+    prompt = list(range(3, 12))
+    model, _ = tiny_setup(len(prompt), 80)
+    ref = ar_greedy(model, prompt, 80)
+    assert teacher_forced_check(model, prompt, ref, chunk=16) == {"checked": len(ref), "mismatches": []}
+    bad = list(ref)
+    bad[30] = (bad[30] + 1) % 48
+    mm = teacher_forced_check(model, prompt, bad, chunk=7)["mismatches"]
+    assert mm and mm[0]["token"] == 30 and mm[0]["gap"] > 0
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ import argparse
 import gc
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,10 @@ from runtime.tree import Tree, TreeBuffers
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BANK = (Tree.chain(2), Tree([(0,), (1,), (0, 0), (0, 1), (1, 0)]), Tree.named("mc_sim_7b_63"))
+# without the 63-node tree (a fp32 verify of 64 nodes costs ~3 small ones on this CPU): for runs
+# that must fit a short time slot
+SMALL_BANK = (Tree.chain(2), Tree([(0,), (1,), (0, 0), (0, 1), (1, 0)]),
+              Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0), (1, 0, 0)]))
 
 
 def rss_bytes() -> int:
@@ -95,6 +99,35 @@ def switching_scheduler(n_trees: int, reads_heads: bool = False) -> Scheduler:
     return sched
 
 
+@torch.inference_mode()
+def teacher_forced_check(model: Transformer, prompt: list[int], tokens: list[int], chunk: int = 256) -> dict[str, Any]:
+    """Check a greedy continuation in one causal pass over prompt + tokens (chunked prefill):
+    each token must be the base argmax given the prompt and the tokens before it. Costs one long
+    prefill instead of len(tokens) sequential AR steps. A batched pass rounds differently from
+    step-by-step decoding, so a mismatch at a near-tie (top-2 logit gap ~1e-5) is a floating-point
+    tie, not a decoding error: the gaps are reported."""
+    seq = list(prompt) + list(tokens)
+    P = len(prompt)
+    model.reset_cache()
+    mismatches = []
+    for start in range(0, len(seq) - 1, chunk):
+        piece = seq[start:min(start + chunk, len(seq) - 1)]
+        logits, _ = model(torch.tensor([piece]), torch.arange(start, start + len(piece)))
+        for j in range(len(piece)):
+            pos = start + j                     # this row predicts seq[pos + 1]
+            if pos < P - 1:
+                continue
+            row = logits[0, j]
+            want = seq[pos + 1]
+            got = int(row.argmax())
+            if got != want:
+                top2 = row.topk(2).values
+                mismatches.append({"token": pos + 1 - P, "decoded": want, "argmax": got,
+                                   "gap": float(row[got] - row[want]), "top2_gap": float(top2[0] - top2[1])})
+    model.reset_cache()
+    return {"checked": len(tokens), "mismatches": mismatches}
+
+
 def _slope_per_1000(steps: list[int], values: list[float]) -> float:
     if len(steps) < 3:
         return float("nan")
@@ -109,13 +142,17 @@ def long_run(
     new_tokens: int,
     trees: Sequence[Tree] = BANK,
     sample_every: int = 100,
-    compare_ar: bool = True,
+    compare_ar: bool | str = True,
     count_tensors: bool = True,
     reads_heads: bool = False,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Decode `new_tokens` tokens (EOS ignored) switching tree every step; sample memory every
-    `sample_every` steps; compare with AR greedy decoding. reads_heads: also run the heads' greedy
-    chain every step (what head-reading signals cost). Returns the figures (JSON-able)."""
+    `sample_every` steps; compare with AR greedy decoding (compare_ar=True), or check the tokens
+    with one teacher-forced pass (compare_ar="teacher_forced", see `teacher_forced_check`), or
+    not at all (False). reads_heads: also run the heads' greedy
+    chain every step (what head-reading signals cost). `progress` gets each memory sample as it
+    is taken. Returns the figures (JSON-able)."""
     from runtime.generate import ar_generate
 
     dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees])
@@ -134,6 +171,8 @@ def long_run(
         if torch.cuda.is_available() and model.device.type == "cuda":
             row["cuda_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
         samples.append(row)
+        if progress is not None:
+            progress(row)
 
     def on_step(tokens: list[int]) -> None:
         emitted[0] += len(tokens)
@@ -171,10 +210,19 @@ def long_run(
     if count_tensors:
         out["tensors_start"], out["tensors_end"] = samples[0]["tensors"], samples[-1]["tensors"]
         out["tensor_mb_start"], out["tensor_mb_end"] = samples[0]["tensor_mb"], samples[-1]["tensor_mb"]
-    if compare_ar:
+    if compare_ar == "teacher_forced":
+        t1 = time.perf_counter()
+        tf = teacher_forced_check(model, prompt, res.tokens)
+        out["check"] = "teacher_forced"
+        out["check_s"] = time.perf_counter() - t1
+        out["tf_mismatches"] = tf["mismatches"]
+        out["lossless"] = not tf["mismatches"]
+        out["first_mismatch"] = tf["mismatches"][0]["token"] if tf["mismatches"] else None
+    elif compare_ar:
         t1 = time.perf_counter()
         ref = ar_generate(model, prompt, new_tokens, eos_ids=[])
-        out["ar_s"] = time.perf_counter() - t1
+        out["check"] = "ar"
+        out["check_s"] = time.perf_counter() - t1
         diff = next((i for i, (a, b) in enumerate(zip(res.tokens, ref)) if a != b), None)
         if diff is None and len(ref) != len(res.tokens):
             diff = min(len(ref), len(res.tokens))
@@ -192,11 +240,17 @@ def format_report(r: dict[str, Any]) -> str:
                  f"growth {r['rss_growth_mb_per_1000_steps']:+.2f} MB per 1,000 steps")
     if "tensors_start" in r:
         lines.append(f"live torch tensors {r['tensors_start']} -> {r['tensors_end']} "
-                     f"({r['tensor_mb_start']:.1f} -> {r['tensor_mb_end']:.1f} MB)")
+                     f"({r['tensor_mb_start']:.1f} -> {r['tensor_mb_end']:.1f} MB; includes the last step's logits, "
+                     "whose size depends on its tree)")
     lines.append("RSS curve (step: MB): " + ", ".join(f"{s['step']}: {s['rss_mb']:.1f}" for s in r["samples"]))
-    if "lossless" in r:
+    if r.get("check") == "ar":
         lines.append(f"AR greedy comparison: {'identical tokens' if r['lossless'] else 'MISMATCH at token ' + str(r['first_mismatch'])}"
-                     f" (AR took {r['ar_s']:.1f} s)")
+                     f" (AR took {r['check_s']:.1f} s)")
+    elif r.get("check") == "teacher_forced":
+        mm = r["tf_mismatches"]
+        lines.append(f"teacher-forced check ({r['check_s']:.1f} s): every token is the base argmax given its prefix"
+                     if not mm else f"teacher-forced check: {len(mm)} tokens differ from the batched argmax: "
+                     + ", ".join(f"token {m['token']} (gap {m['gap']:.2e}, top-2 gap {m['top2_gap']:.2e})" for m in mm[:10]))
     return "\n".join(lines)
 
 
@@ -228,7 +282,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sample-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the runtime's)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--no-ar", action="store_true", help="skip the AR greedy comparison")
+    p.add_argument("--check", choices=("ar", "teacher_forced", "none"), default="ar",
+                   help="how to check losslessness: sequential AR greedy decoding (the definition), one "
+                        "teacher-forced pass over the output (much cheaper), or not at all")
+    p.add_argument("--bank", choices=("default", "small"), default="default",
+                   help="default: 3, 6 and 64 nodes (Medusa's tree); small: 3, 6 and 12 nodes (cheaper steps)")
     p.add_argument("--reads-heads", action="store_true",
                    help="compute the heads' greedy chain every step too (head-reading signals; much slower)")
     p.add_argument("--out", default=str(REPORT_DIR / "long_run.json"))
@@ -244,8 +302,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     heads, heads_desc = _heads_for(model, model_dir, a.heads_dir, seed=0)
     print(f"model {model_dir} ({a.dtype}, {torch.get_num_threads()} threads); {heads_desc}")
-    r = long_run(model, heads, prompt, a.new_tokens, sample_every=a.sample_every, compare_ar=not a.no_ar,
-                 reads_heads=a.reads_heads)
+    check = {"ar": True, "teacher_forced": "teacher_forced", "none": False}[a.check]
+    trees = BANK if a.bank == "default" else SMALL_BANK
+    r = long_run(model, heads, prompt, a.new_tokens, trees=trees, sample_every=a.sample_every, compare_ar=check,
+                 reads_heads=a.reads_heads, progress=lambda row: print(f"  sample {row}", flush=True))
     r.update({"heads": heads_desc, "dtype": a.dtype, "threads": torch.get_num_threads(), "machine": machine_info()})
     print(format_report(r))
     atomic_write_json(a.out, r)
