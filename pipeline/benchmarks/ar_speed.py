@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "total_tok_s": round(len(out) / total, 3),
                     "decode_tok_s": round((len(out) - 1) / (total - first), 3) if len(out) > 1 else float("nan"),
                 })
+                print(f"  round {rnd} prompt {pi} ({task}, {len(ids)} tokens) {name:<18} "
+                      f"{rows[-1]['total_tok_s']:7.2f} tok/s total, {rows[-1]['decode_tok_s']:7.2f} decode", flush=True)
             ref = outs["transformers_fp32"]
             for r in rows[-len(order):]:
                 same = outs[r["engine"]] == ref
