@@ -7,6 +7,10 @@ is a single gather. A forward call appends its n new tokens at cache slots
 among the new ones, to those its row of `mask` allows. Positions are explicit, so a tree node at
 depth d sits at RoPE position `cache_len + d` while occupying any slot.
 
+On CPU in float32, `load_model` also keeps a transposed copy of every weight matrix, because the
+one-token product is markedly faster against it (see `Linear`); pass fast_paths=False to save
+that memory.
+
 Only torch, safetensors and tokenizers are imported here (the runtime's dependency rule).
 """
 
@@ -200,11 +204,15 @@ class Linear(nn.Linear):
     """nn.Linear that picks its matrix product by the number of input rows once `add_fast_paths`
     ran (CPU, float32). Measured on this project's 2-core AVX2 machines with MKL, for the whole
     SmolLM2 weight set:
-    * one row: x @ W_t with a contiguous [in, out] copy W_t is ~1.4x faster than F.linear, which
-      multiplies against the [out, in] weight transposed; that copy doubles the weight memory;
+    * one row: x @ W_t with a contiguous [in, out] copy W_t is 1.2-2x (typically ~1.4x) faster
+      than F.linear, which multiplies against the [out, in] weight transposed; the copy doubles
+      the weight memory;
     * 2..SMALL_ROWS rows: (W @ x^T)^T (one pass over W computing all rows) beats F.linear by
-      1.2-1.8x; it returns a transposed (non-contiguous) view, which the callers accept.
-    Without `add_fast_paths` (GPU, bf16) it is exactly nn.Linear."""
+      1.2-1.8x; it returns a transposed (non-contiguous) view, which the callers accept;
+    * more rows (prefill): F.linear.
+    Results differ from F.linear's by float rounding only (~1e-6 relative). Without
+    `add_fast_paths` (GPU, bf16: bf16 products against W_t are ~10x slower here) it is exactly
+    nn.Linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
