@@ -388,8 +388,11 @@ class DraftHeads(nn.Module):
         first_head..first_head+k-1 (V_out = draft_vocab_size for output='draft')."""
         x = self.dropout(states)
         if self.config.output == "shared":
-            w = self._refs().lm_head.weight
-            return F.linear(x.to(w.dtype), w)
+            lm_head = self._refs().lm_head
+            # through the module, on 2-D rows: the base model's CPU fast paths (runtime.model.Linear)
+            # then apply to drafting too, where this product is most of a head's cost
+            flat = x.to(lm_head.weight.dtype).reshape(-1, x.shape[-1])
+            return lm_head(flat).reshape(*x.shape[:-1], -1)
         k = states.shape[-2]
         return torch.stack([self.heads[first_head - 1 + j].out(x[..., j, :]) for j in range(k)], dim=-2)
 
