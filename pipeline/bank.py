@@ -22,7 +22,7 @@ def build_bank(
 ) -> dict[str, Any]:
     from pipeline.fit_policy import fit_all_policies
 
-    cands = timing["trees"]
+    cands = [c for c in timing["trees"] if c["tok_per_s"] is not None]  # pruned trees were never timed
     recal_by_paths = {Tree(r["paths"]): r for r in recal["trees"]}
     hull = throughput_hull([c["nodes"] for c in cands], [c["tok_per_s"] for c in cands])
     trees, figures = [], []

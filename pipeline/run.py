@@ -323,20 +323,25 @@ def stage_time(cfg: DictConfig) -> Path:
     def build(tmp: Path) -> dict[str, Any]:
         rows = _calib_rows(cfg, int(cfg.profile.timing_prompts))
         dec = _decoder(cfg, [c["tree"] for c in cands])
-        t = time_trees(dec, rows, rounds=int(cfg.time.rounds), new_tokens=int(cfg.time.new_tokens))
+        replayed = [c["replay_tokens_per_step"] for c in cands]
+        t = time_trees(dec, rows, rounds=int(cfg.time.rounds), new_tokens=int(cfg.time.new_tokens),
+                       tokens_per_step=replayed if cfg.time.prune else None)
         n_new = int(cfg.profile.max_new_tokens)
         trees = []
-        for c, s in zip(cands, t["step_s"]):
+        for k, (c, s) in enumerate(zip(cands, t["step_s"])):
             tps = c["replay_tokens_per_step"]
+            timed = k not in t["pruned"]
             trees.append({"paths": [list(p) for p in c["tree"].paths], "nodes": c["tree"].num_nodes, "depth": c["tree"].depth,
-                          "tokens_per_step": tps, "step_ms": 1000 * s,
-                          "tok_per_s": e2e_tokens_per_second(tps, s, t["prefill_s"], n_new)})
+                          "tokens_per_step": tps, "step_ms": 1000 * s if timed else None,
+                          "tok_per_s": e2e_tokens_per_second(tps, s, t["prefill_s"], n_new) if timed else None,
+                          **({} if timed else {"pruned": t["pruned"][k]})})
         ar_tok_s = e2e_tokens_per_second(1.0, t["ar_token_s"], t["prefill_s"], n_new)
         atomic_write_json(tmp / "timing.json", {"trees": trees, "ar_token_ms": 1000 * t["ar_token_s"], "ar_tok_per_s": ar_tok_s,
                                                 "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
                                                 "machine": machine_info(), "dtype": resolve_dtype(cfg)})
-        best = max(trees, key=lambda x: x["tok_per_s"])
-        return {"best_nodes": best["nodes"], "best_tok_per_s": best["tok_per_s"], "ar_tok_per_s": ar_tok_s}
+        best = max((x for x in trees if x["tok_per_s"] is not None), key=lambda x: x["tok_per_s"])
+        return {"best_nodes": best["nodes"], "best_tok_per_s": best["tok_per_s"], "ar_tok_per_s": ar_tok_s,
+                "pruned": len(t["pruned"])}
 
     return run_stage("time", lay.work / "time", key, build, force=_force(cfg, "time"))
 

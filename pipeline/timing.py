@@ -19,32 +19,57 @@ from runtime.generate import ar_generate
 
 
 def time_trees(
-    decoder: TreeDecoder, rows: list[dict], rounds: int = 2, new_tokens: int = 48, warmup_steps: int = 2,
+    decoder: TreeDecoder, rows: list[dict], rounds: int = 2, new_tokens: int = 24, warmup_steps: int = 2,
+    tokens_per_step: list[float] | None = None, cost_floor: float = 0.85,
 ) -> dict[str, Any]:
-    """Median step latency (s) per tree, median AR per-token latency and prefill time."""
+    """Median step latency (s) per tree, median AR per-token latency and prefill time.
+
+    Trees must come ordered by size. With `tokens_per_step` (each tree's replayed figure) the first
+    round prunes: a tree is not timed when, even at `cost_floor` times the step latency of the
+    largest tree timed before it, its tokens per step could not beat the best tokens per second
+    measured so far. Verify and draft cost grow with the tree, so on a machine where wide trees
+    are expensive this skips the slowest decodes of the stage; where they are cheap (a GPU) the
+    bound never fires. Pruned trees get a NaN latency and are listed in "pruned"."""
     n = len(decoder.trees)
+    if tokens_per_step is not None and len(tokens_per_step) != n:
+        raise ValueError(f"tokens_per_step has {len(tokens_per_step)} entries for {n} trees")
     step_s: list[list[float]] = [[] for _ in range(n)]
     ar_s: list[float] = []
     prefill_s: list[float] = []
     prompt_tokens: list[int] = []
+    pruned: dict[int, str] = {}
     # warm-up: one short decode per tree and one AR run (allocator, kernels, caches)
     decoder.generate(rows[0]["input_ids"], 8, choose=0)
     ar_generate(decoder.model, rows[0]["input_ids"], 4)
     bar = tqdm(total=rounds * len(rows) * (n + 1), desc="time", unit="run")
-    for _ in range(rounds):
-        for row in rows:
+    for rnd in range(rounds):
+        for i, row in enumerate(rows):
             t0 = time.perf_counter()
             out = ar_generate(decoder.model, row["input_ids"], new_tokens // 2)
             ar_total = time.perf_counter() - t0
             bar.update()
+            best_rate, last_cost = 0.0, 0.0
             for k in range(n):
+                if k in pruned:
+                    bar.update()
+                    continue
+                if tokens_per_step is not None and rnd == 0 and i == 0 and last_cost > 0 \
+                        and tokens_per_step[k] / (cost_floor * last_cost) < best_rate:
+                    pruned[k] = (f"{tokens_per_step[k]:.3f} tokens/step at >= {1e3 * cost_floor * last_cost:.1f} ms/step "
+                                 f"cannot beat {best_rate:.2f} tok/s")
+                    bar.update()
+                    continue
                 res = decoder.generate(row["input_ids"], new_tokens, choose=k)
-                step_s[k].extend(s.seconds for s in res.steps[warmup_steps:])
+                times = [s.seconds for s in res.steps[warmup_steps:]] or [s.seconds for s in res.steps]
+                step_s[k].extend(times)
                 prefill_s.append(res.prefill_seconds)
                 prompt_tokens.append(len(row["input_ids"]))
+                if tokens_per_step is not None and times:
+                    last_cost = max(last_cost, statistics.median(times))
+                    best_rate = max(best_rate, tokens_per_step[k] / statistics.median(times))
                 bar.update()
             # AR per-token latency: total minus this prompt's prefill, over the decoded tokens
-            pre = statistics.median(prefill_s[-n:])
+            pre = statistics.median(prefill_s[-(n - len(pruned)):])
             if len(out) > 1:
                 ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
     bar.close()
@@ -53,6 +78,7 @@ def time_trees(
         "ar_token_s": statistics.median(ar_s) if ar_s else float("nan"),
         "prefill_s": statistics.median(prefill_s),
         "prompt_tokens": statistics.median(prompt_tokens),
+        "pruned": pruned,
     }
 
 

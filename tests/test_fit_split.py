@@ -1,0 +1,77 @@
+"""Policy thresholds and tables are fitted on the calibration split only, never on `eval` (issue 5).
+
+The whole chain `stage=bank` (prepare, rollout, merge, grow, recalibrate, time, bank with its
+fitted policies) runs in-process on the tiny bundle with every read of a prepared split recorded.
+The bank stage must read `calib` and never `eval`; the prompts behind the fitted policies (the
+rollout's) must be calibration prompts, disjoint from the eval prompts; and replacing the eval
+split afterwards must leave the bank up to date (it is not an input of the fit).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import pipeline.prepare
+from pipeline.rollout import load_rollout
+from tests.helpers import MODEL_NAME, REPO, TinyBundle, tiny_bundle, torch_threads
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> TinyBundle:
+    return tiny_bundle(tmp_path_factory, smollm2_dir)
+
+
+def _cfg(artifacts: Path, data: Path, bundle: TinyBundle):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=[
+            "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
+            f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
+            "threads=1", "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",
+            "profile.max_new_tokens=6", "profile.eval_prompts=2", "time.rounds=1", "time.new_tokens=4",
+            "grow.candidate_sizes=[0,2,4,8]", f"artifacts_dir={artifacts}", f"data_dir={data}"])
+
+
+def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline import run as run_mod
+
+    artifacts, data = tmp_path / "artifacts", tmp_path / "data"
+    shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
+    reads: list[str] = []
+    real_read_split = pipeline.prepare.read_split
+
+    def recording_read_split(data_dir, task, split, *args, **kwargs):  # noqa: ANN001, ANN202
+        reads.append(split)
+        return real_read_split(data_dir, task, split, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline.prepare, "read_split", recording_read_split)
+    cfg = _cfg(artifacts, data, bundle)
+    run_mod._MEMO.clear()
+    with torch_threads(1):
+        bank_dir = run_mod.run(cfg)
+
+    assert "calib" in reads, "the bank stage never read the calibration split: the recording is broken"
+    assert "eval" not in reads, f"the bank stage read the eval split: {reads}"
+    bank = json.loads((bank_dir / "bank.json").read_text())
+    assert bank["policies"], "the bank holds no fitted policies"
+
+    calib = real_read_split(data, "humaneval", "calib", limit=3)
+    evals = real_read_split(data, "humaneval", "eval")
+    fitted_on = [r["id"] for r in load_rollout(artifacts / "rollouts" / MODEL_NAME / "hydra" / "humaneval" / "cpu" / "rollout")]
+    assert fitted_on == [r["id"] for r in calib]
+    assert not set(fitted_on) & {r["id"] for r in evals}
+    assert not {tuple(r["input_ids"]) for r in calib} & {tuple(r["input_ids"]) for r in evals}
+
+    # the eval split is not an input of the fit: a different eval split leaves the bank up to date
+    eval_file = data / "humaneval" / "eval.jsonl"
+    manifest_before = (bank_dir / "manifest.json").read_text()
+    eval_file.write_text(eval_file.read_text().splitlines(keepends=True)[0])
+    run_mod._MEMO.clear()
+    with torch_threads(1):
+        again = run_mod.run(cfg)
+    assert again == bank_dir and (bank_dir / "manifest.json").read_text() == manifest_before
