@@ -17,16 +17,44 @@ from runtime.bank import TopologyBank  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
 
 
+MEMBERS = ("hull", "oracle")
+
+
+def bank_members(cands: list[dict], rollouts: list[dict], members: str = "oracle",
+                 min_oracle_share: float = 0.02) -> list[int]:
+    """Indices (ordered by size) of the timed candidate trees that go into the bank.
+
+    "hull" is the paper's rule: a tree stays only if it is faster end to end than every smaller
+    tree. "oracle" adds every tree that the per-step oracle (best tree in hindsight, replayed with
+    the measured step costs) picks on at least `min_oracle_share` of the calibration steps: a tree
+    that loses on average can still win on the confident steps, and only a tree in the bank can
+    be switched to. Where the hull already holds those trees, both rules give the same bank."""
+    from pipeline.replay import oracle_replay
+
+    if members not in MEMBERS:
+        raise ValueError(f"bank members {members!r}: choose one of {MEMBERS}")
+    hull = throughput_hull([c["nodes"] for c in cands], [c["tok_per_s"] for c in cands])
+    if members == "hull":
+        return hull
+    share = oracle_replay(rollouts, [Tree(c["paths"]).paths for c in cands],
+                          [c["step_ms"] / 1000 for c in cands]).summary()["tree_share"]
+    keep = set(hull) | {k for k, s in enumerate(share) if s >= min_oracle_share}
+    return sorted(keep, key=lambda k: (cands[k]["nodes"], cands[k]["depth"]))
+
+
 def build_bank(
     out: Path, timing: dict, recal: dict, frontier: dict, rollout_dir: Path, policy_cfg: dict, provenance: dict,
+    members: str = "oracle", min_oracle_share: float = 0.02,
 ) -> dict[str, Any]:
     from pipeline.fit_policy import fit_all_policies
 
     cands = [c for c in timing["trees"] if c["tok_per_s"] is not None]  # pruned trees were never timed
     recal_by_paths = {Tree(r["paths"]): r for r in recal["trees"]}
+    rollouts = load_rollout(rollout_dir)
     hull = throughput_hull([c["nodes"] for c in cands], [c["tok_per_s"] for c in cands])
+    chosen = bank_members(cands, rollouts, members, min_oracle_share)
     trees, figures = [], []
-    for k in hull:
+    for k in chosen:
         c = cands[k]
         t = Tree(c["paths"])
         r = recal_by_paths.get(t, {})
@@ -37,7 +65,6 @@ def build_bank(
             "step_agreement": r.get("step_agreement"),
         })
     best = max(range(len(trees)), key=lambda k: figures[k]["tok_per_s"])
-    rollouts = load_rollout(rollout_dir)
     step_costs = [f["step_ms"] / 1000 for f in figures]
     fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg)
     policies = {name: f["policy"] for name, f in fitted["policies"].items()}

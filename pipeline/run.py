@@ -352,7 +352,7 @@ def stage_bank(cfg: DictConfig) -> Path:
 
     lay = Layout.from_cfg(cfg)
     time_dir, recal_dir, grow_dir, rollout_dir = stage_time(cfg), stage_recalibrate(cfg), stage_grow(cfg), stage_merge(cfg)
-    key = {**_inputs_key(cfg), "grow": _c(cfg.grow), "policy": _c(cfg.policy),
+    key = {**_inputs_key(cfg), "grow": _c(cfg.grow), "policy": _c(cfg.policy), "bank": _c(cfg.bank),
            "time": read_json(time_dir / "manifest.json")["created"]}
     heads_dir = stage_heads(cfg)
 
@@ -360,6 +360,7 @@ def stage_bank(cfg: DictConfig) -> Path:
         return build_bank(
             tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
             frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=_c(cfg.policy),
+            members=str(cfg.bank.members), min_oracle_share=float(cfg.bank.min_oracle_share),
             provenance={
                 "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
                 "model_fingerprint": model_fingerprint(stage_model(cfg)),

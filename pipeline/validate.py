@@ -261,6 +261,12 @@ def config_problems(cfg: DictConfig) -> list[str]:
     c.int_at_least("time.rounds", 1)
     c.int_at_least("time.new_tokens", 1)
     c.int_at_least("evaluate.max_new_tokens", 1)
+    members, share = c.get("bank.members"), c.get("bank.min_oracle_share")
+    if members not in ("hull", "oracle"):
+        c.add(f"bank.members={members!r}: choose 'hull' (the paper's throughput hull) or 'oracle' (the hull plus "
+              "trees the per-step oracle picks)")
+    if not isinstance(share, (int, float)) or not 0 < share <= 1:
+        c.add(f"bank.min_oracle_share={share!r} must be a number in (0, 1]")
 
     # ---- policy
     from runtime.policy import validate_policy_config

@@ -40,6 +40,7 @@ BAD = {
     "cache too small": (["model.max_seq_len=512"], ["model.max_seq_len=512", "max_prompt_tokens", "raise model.max_seq_len"]),
     "unknown train task": (["heads.train.tasks=[humaneval,nope]"], ["heads.train.tasks", "'nope'", "conf/task"]),
     "task schema": (["task.overlong=drop"], ["task", "overlong", "'drop'"]),
+    "bank members": (["bank.members=all"], ["bank.members='all'", "hull", "oracle"]),
     "taus on a ladder": (["policy=ladder", "++policy.tau_on=0.5"], ["policy.tau_on", "only apply to the hysteresis"]),
 }
 

@@ -265,3 +265,29 @@ def test_fit_all_policies_for_the_bank_stage(bank_setup) -> None:
         fit_all_policies(rolls, trees, costs, {"name": "nope"})
     with pytest.raises(ValueError, match="positive seconds"):
         fit_all_policies(rolls, trees, costs[:2])
+
+
+def test_bank_members_hull_and_oracle(bank_setup) -> None:
+    """The paper's hull drops a tree that is slower on average; the oracle rule keeps it when the
+    best-in-hindsight schedule uses it, and never drops a hull tree."""
+    from pipeline.bank import bank_members
+    from pipeline.timing import e2e_tokens_per_second
+
+    rolls, trees, costs = bank_setup
+    data = BankReplay.build(rolls, trees)
+    cands = []
+    for t, c in zip(trees, costs):
+        tps = replay_policy(data, None, StaticPolicy(len(cands)), costs).tokens_per_step
+        cands.append({"paths": [list(p) for p in t], "nodes": len(t) + 1, "depth": max(len(p) for p in t),
+                      "step_ms": 1000 * c, "tok_per_s": e2e_tokens_per_second(tps, c, 0.0, 96)})
+    # make the second tree lose on average (but it is still the best on some steps)
+    cands[1]["tok_per_s"] = 0.5 * cands[0]["tok_per_s"]
+    hull = bank_members(cands, rolls, "hull")
+    assert 1 not in hull and hull == sorted(hull)
+    share = oracle_replay(data, None, costs).summary()["tree_share"]
+    oracle = bank_members(cands, rolls, "oracle", min_oracle_share=0.01)
+    assert 1 in oracle and set(hull) <= set(oracle) and oracle == sorted(oracle)
+    assert set(oracle) == set(hull) | {k for k, s in enumerate(share) if s >= 0.01}
+    assert bank_members(cands, rolls, "oracle", min_oracle_share=1.0) == hull
+    with pytest.raises(ValueError, match="choose one of"):
+        bank_members(cands, rolls, "everything")
