@@ -20,6 +20,7 @@ values along a decode).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -83,14 +84,20 @@ def _entry(policy: Policy, rep: PolicyReplay) -> dict[str, Any]:
 
 
 class _Fitter:
-    def __init__(self, data: BankReplay, step_costs: np.ndarray) -> None:
+    def __init__(self, data: BankReplay, step_costs: np.ndarray, signal_costs: dict[str, float] | None = None) -> None:
         self.data = data
         self.costs = step_costs
+        self.signal_costs = dict(signal_costs or {})
         self.n_replays = 0
 
     def score(self, policy: Policy) -> tuple[float, PolicyReplay]:
         rep = replay_policy(self.data, None, policy, self.costs)
         self.n_replays += 1
+        # a signal that runs the heads' greedy chain costs every step the same extra time; a
+        # fit that ignored it would prefer such signals for accuracy they cannot pay for
+        extra = self.signal_costs.get(policy.signal, 0.0) * rep.steps
+        if extra and not isinstance(policy, StaticPolicy):
+            rep = replace(rep, time_s=rep.time_s + extra, tokens_per_second=rep.tokens / (rep.time_s + extra))
         return rep.tokens_per_second, rep
 
     def best(self, policies: Sequence[Policy]) -> tuple[Policy, PolicyReplay] | None:
@@ -252,8 +259,12 @@ def fit_policies(
     bucket_counts: Sequence[int] = (2, 4, 8),
     fixed_taus: tuple[float, float] | None = None,
     fixed_thresholds: Sequence[float] | None = None,
+    signal_costs: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Fit every policy kind over the bank `trees` (ordered by size) with measured `step_costs`.
+
+    signal_costs: seconds a signal adds to every step (by signal name; the head-chain signals
+    `paper` and `greedy_path` run the heads once more per step), charged to dynamic policies.
 
     signals: the (name, params) pairs to try, for every kind, or a dict kind -> pairs.
     tau_grid: the hysteresis grid (the paper's by default); fine_search adds the signal's
@@ -278,7 +289,7 @@ def fit_policies(
         per_kind = {k: list(given.get(k, ())) for k in kinds}
     else:
         per_kind = {k: list(signals) for k in kinds}
-    fitter = _Fitter(data, costs)
+    fitter = _Fitter(data, costs, signal_costs)
     out: dict[str, Any] = {}
 
     static = fitter.best([StaticPolicy(k) for k in range(data.n_trees)])
@@ -331,6 +342,7 @@ def fit_all_policies(
     step_costs: Sequence[float] | np.ndarray,
     policy_cfg: dict[str, Any] | None = None,
     rank_cap: int | None = None,
+    signal_costs: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """What the bank stage stores: every policy kind fitted, plus the oracle.
 
@@ -362,6 +374,7 @@ def fit_all_policies(
         bucket_counts=(int(nb),) if nb is not None and name == "expected_throughput" else (2, 4, 8),
         fixed_taus=fixed_taus,
         fixed_thresholds=cfg.get("thresholds"),
+        signal_costs=signal_costs,
     )
     policies = {
         k: {"policy": fitted[k]["policy"], "replay": {f: v for f, v in fitted[k].items() if f != "policy"}}

@@ -314,7 +314,8 @@ def stage_recalibrate(cfg: DictConfig) -> Path:
 
 @memo_stage
 def stage_time(cfg: DictConfig) -> Path:
-    from pipeline.timing import e2e_tokens_per_second, time_trees
+    from pipeline.timing import e2e_tokens_per_second, time_head_chain, time_trees
+    from runtime.decoder import HEAD_SIGNALS
 
     lay = Layout.from_cfg(cfg)
     cands = candidate_trees(cfg)
@@ -336,7 +337,9 @@ def stage_time(cfg: DictConfig) -> Path:
                           "tok_per_s": e2e_tokens_per_second(tps, s, t["prefill_s"], n_new) if timed else None,
                           **({} if timed else {"pruned": t["pruned"][k]})})
         ar_tok_s = e2e_tokens_per_second(1.0, t["ar_token_s"], t["prefill_s"], n_new)
+        chain_ms = 1000 * time_head_chain(dec, rows[0])
         atomic_write_json(tmp / "timing.json", {"trees": trees, "ar_token_ms": 1000 * t["ar_token_s"], "ar_tok_per_s": ar_tok_s,
+                                                "signal_ms": {name: chain_ms for name in HEAD_SIGNALS},
                                                 "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
                                                 "machine": machine_info(), "dtype": resolve_dtype(cfg)})
         best = max((x for x in trees if x["tok_per_s"] is not None), key=lambda x: x["tok_per_s"])

@@ -12,9 +12,10 @@ import statistics
 import time
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
-from runtime.decoder import TreeDecoder
+from runtime.decoder import TreeDecoder, greedy_chain_top1
 from runtime.generate import ar_generate
 
 
@@ -80,6 +81,29 @@ def time_trees(
         "prompt_tokens": statistics.median(prompt_tokens),
         "pruned": pruned,
     }
+
+
+@torch.inference_mode()
+def time_head_chain(decoder: TreeDecoder, row: dict, repeats: int = 10) -> float:
+    """Median seconds of one `greedy_chain_top1` call (the per-step extra of the head-chain
+    signals `paper` and `greedy_path`), from the context vector after the prompt of `row`."""
+    model, heads = decoder.model, decoder.heads
+    model.reset_cache()
+    heads.reset()
+    ids = torch.tensor([row["input_ids"]], dtype=torch.long, device=model.device)
+    pos = torch.arange(ids.shape[1], device=model.device)
+    logits, hidden = model(ids, pos, last_only=True)
+    h = heads.observe(hidden, pos)
+    root = int(logits[0, -1].argmax())
+    greedy_chain_top1(heads, h, root)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        greedy_chain_top1(heads, h, root)
+        times.append(time.perf_counter() - t0)
+    model.reset_cache()
+    heads.reset()
+    return statistics.median(times)
 
 
 def e2e_tokens_per_second(tokens_per_step: float, step_s: float, prefill_s: float, new_tokens: int) -> float:

@@ -291,3 +291,18 @@ def test_bank_members_hull_and_oracle(bank_setup) -> None:
     assert bank_members(cands, rolls, "oracle", min_oracle_share=1.0) == hull
     with pytest.raises(ValueError, match="choose one of"):
         bank_members(cands, rolls, "everything")
+
+
+def test_signal_cost_is_charged_to_dynamic_policies(bank_setup) -> None:
+    """A head-chain signal costs time every step: with that cost charged, a fitted policy on it
+    reports less throughput than without, and static (which reads no signal) is unchanged."""
+    rolls, trees, costs = bank_setup
+    data = BankReplay.build(rolls, trees)
+    signals = {k: [("greedy_path", {})] for k in ("hysteresis", "ladder", "expected_throughput")}
+    free = fit_policies(data, None, costs, signals=signals, n_quantiles=8)
+    charged = fit_policies(data, None, costs, signals=signals, n_quantiles=8, signal_costs={"greedy_path": 0.005})
+    assert charged["static"]["tokens_per_second"] == pytest.approx(free["static"]["tokens_per_second"])
+    for k in ("hysteresis", "ladder", "expected_throughput"):
+        assert charged[k]["tokens_per_second"] < free[k]["tokens_per_second"]
+        rep = replay_policy(data, None, policy_from_dict(charged[k]["policy"]), costs)
+        assert charged[k]["time_s"] == pytest.approx(rep.time_s + 0.005 * rep.steps)
