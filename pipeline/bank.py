@@ -66,7 +66,10 @@ def build_bank(
         })
     best = max(range(len(trees)), key=lambda k: figures[k]["tok_per_s"])
     step_costs = [f["step_ms"] / 1000 for f in figures]
-    signal_costs = {name: ms / 1000 for name, ms in timing.get("signal_ms", {}).items()}
+    from runtime.decoder import HEAD_SIGNALS
+
+    # only what the decoder pays: a signal it computes without the head chain costs nothing extra
+    signal_costs = {name: ms / 1000 for name, ms in timing.get("signal_ms", {}).items() if name in HEAD_SIGNALS}
     fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg, signal_costs=signal_costs)
     policies = {name: f["policy"] for name, f in fitted["policies"].items()}
     policies.setdefault("static", {"kind": "static", "index": best, "signal": "p0"})

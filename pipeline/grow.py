@@ -166,7 +166,7 @@ def grow(
         result.mean_accept_uniform.append(float(a.sum()) / n)
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(tps=f"{tokens / steps:.3f}")
+            bar.set_postfix(tps=f"{tokens / steps:.3f}", refresh=False)  # refresh=True would redraw every step
     if bar is not None:
         bar.close()
     return result

@@ -392,7 +392,7 @@ def train_loop(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], s: TrainS
             torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         opt.step()
         history.append(round(loss.item(), 5))
-        bar.set_postfix(loss=f"{history[-1]:.3f}", heads=" ".join(f"{x:.2f}" for x in per_head.tolist()))
+        bar.set_postfix(loss=f"{history[-1]:.3f}", heads=" ".join(f"{x:.2f}" for x in per_head.tolist()), refresh=False)
         done += 1
         last = step + 1 == total
         if (step + 1) % s.checkpoint_every == 0 or last or (stop_after is not None and done >= stop_after):

@@ -22,3 +22,21 @@ def smollm2_dir() -> Path:
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         pytest.skip("default model not provisioned: run `make model` (or `make bank`) first")
     return DEFAULT_MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
+    """The tiny model + heads + bank of tests/helpers.py (built once per test process)."""
+    from tests.helpers import tiny_bundle
+
+    return tiny_bundle(tmp_path_factory, smollm2_dir)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run the test with one torch thread: these tests run tiny models, where a second thread only
+    adds contention (modules opt in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    from tests.helpers import torch_threads
+
+    with torch_threads(1):
+        yield

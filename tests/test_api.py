@@ -15,21 +15,12 @@ import torch
 
 from runtime.bank import BankError, BankFingerprintWarning, TopologyBank
 from runtime.decoder import GenerationResult, StepRecord
-from tests.helpers import BANK_TREES, TinyBundle, copy_bundle, tiny_bundle, torch_threads
+from tests.helpers import BANK_TREES, TinyBundle, copy_bundle
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = "Write a haiku about trees."
 NEW_TOKENS = 12  # few tokens: the CPU is shared; enough for several tree steps
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> TinyBundle:
-    return tiny_bundle(tmp_path_factory, smollm2_dir)
 
 
 @pytest.fixture(scope="module")

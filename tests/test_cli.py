@@ -19,20 +19,11 @@ from runtime.bank import TopologyBank
 from runtime.cli import main
 from runtime.export import parse_tree
 from runtime.tree import Tree
-from tests.helpers import REPO, TinyBundle, pin_to_one_cpu, python_exe, subprocess_env, tiny_bundle, torch_threads
+from tests.helpers import REPO, TinyBundle, pin_to_one_cpu, python_exe, subprocess_env
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FORMATS = ("vllm", "trtllm", "json")
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> TinyBundle:
-    return tiny_bundle(tmp_path_factory, smollm2_dir)
 
 
 @pytest.fixture(scope="module")

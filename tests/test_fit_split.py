@@ -18,12 +18,9 @@ from hydra import compose, initialize_config_dir
 
 import pipeline.prepare
 from pipeline.rollout import load_rollout
-from tests.helpers import MODEL_NAME, REPO, TinyBundle, tiny_bundle, torch_threads
+from tests.helpers import MODEL_NAME, REPO, TinyBundle
 
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> TinyBundle:
-    return tiny_bundle(tmp_path_factory, smollm2_dir)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _cfg(artifacts: Path, data: Path, bundle: TinyBundle):
@@ -52,8 +49,7 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
     monkeypatch.setattr(pipeline.prepare, "read_split", recording_read_split)
     cfg = _cfg(artifacts, data, bundle)
     run_mod._MEMO.clear()
-    with torch_threads(1):
-        bank_dir = run_mod.run(cfg)
+    bank_dir = run_mod.run(cfg)
 
     assert "calib" in reads, "the bank stage never read the calibration split: the recording is broken"
     assert "eval" not in reads, f"the bank stage read the eval split: {reads}"
@@ -72,6 +68,5 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
     manifest_before = (bank_dir / "manifest.json").read_text()
     eval_file.write_text(eval_file.read_text().splitlines(keepends=True)[0])
     run_mod._MEMO.clear()
-    with torch_threads(1):
-        again = run_mod.run(cfg)
+    again = run_mod.run(cfg)
     assert again == bank_dir and (bank_dir / "manifest.json").read_text() == manifest_before

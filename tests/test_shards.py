@@ -19,7 +19,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from pipeline.rollout import ARRAYS, load_rollout, merge_rollouts, run_rollout, shard_rows
-from tests.helpers import MODEL_NAME, REPO, TinyBundle, python_exe, subprocess_env, tiny_bundle, torch_threads
+from tests.helpers import MODEL_NAME, REPO, TinyBundle, python_exe, subprocess_env
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TEXTS = [
     "Write a function that reverses a string.",
@@ -30,17 +32,6 @@ TEXTS = [
 ]
 NEW_TOKENS = 6
 RANK_CAP = 10
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> TinyBundle:
-    return tiny_bundle(tmp_path_factory, smollm2_dir)
 
 
 def assert_same_rollout(a: Path, b: Path) -> None:
