@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import ScalarFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.rollout import load_rollout  # noqa: E402
 from pipeline.timing import throughput_hull  # noqa: E402
@@ -81,7 +81,8 @@ def build_bank(
                                                               "ar_tok_per_s": timing["ar_tok_per_s"]})
     bank.save(out)
     plot_acceptance_frontier(frontier, out / "acceptance_frontier.png", provenance.get("task", ""))
-    plot_throughput_frontier(cands, hull, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)
+    pruned = [c["nodes"] for c in timing["trees"] if c["tok_per_s"] is None]
+    plot_throughput_frontier(cands, hull, chosen, pruned, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)
     plot_step_latency(cands, timing["ar_token_ms"], out / "step_latency.png", provenance)
     return {"trees": len(trees), "best_static_nodes": trees[best].num_nodes, "best_static_depth": trees[best].depth,
             "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"]}
@@ -110,16 +111,22 @@ def plot_acceptance_frontier(frontier: dict, path: Path, task: str) -> None:
     plt.close(fig)
 
 
-def plot_throughput_frontier(cands: list[dict], hull: list[int], ar_tok_s: float, path: Path, provenance: dict) -> None:
+def plot_throughput_frontier(cands: list[dict], hull: list[int], members: list[int], pruned: list[int], ar_tok_s: float,
+                             path: Path, provenance: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for depth in sorted({c["depth"] for c in cands}):
         sel = [c for c in cands if c["depth"] == depth]
         ax.scatter([c["nodes"] for c in sel], [c["tok_per_s"] for c in sel], s=18, label=f"depth {depth}")
     hx = [cands[k]["nodes"] for k in hull]
-    ax.plot(hx, [cands[k]["tok_per_s"] for k in hull], "k-o", mfc="none", ms=9, label="bank (throughput hull)")
+    ax.plot(hx, [cands[k]["tok_per_s"] for k in hull], "k-", lw=1, label="throughput hull")
+    ax.scatter([cands[k]["nodes"] for k in members], [cands[k]["tok_per_s"] for k in members], s=110, facecolors="none",
+               edgecolors="k", label="in the bank")
     ax.axhline(ar_tok_s, color="gray", ls="--", label=f"AR {ar_tok_s:.1f} tok/s")
+    if pruned:
+        ax.text(0.99, 0.98, f"not timed (cannot pay for their cost): {', '.join(map(str, pruned))} nodes",
+                transform=ax.transAxes, ha="right", va="top", fontsize=8, color="gray")
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("tree nodes (with root)")
     ax.set_ylabel("end-to-end tok/s")
     ax.set_title(f"Throughput frontier: {provenance.get('task', '')}\n{_machine_line(provenance)}", fontsize=10)
@@ -137,7 +144,7 @@ def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: d
         ax.plot([c["nodes"] for c in sel], [c["step_ms"] for c in sel], "o-", label=f"depth {depth}")
     ax.axhline(ar_ms, color="gray", ls="--", label=f"AR token {ar_ms:.1f} ms")
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
     ax.set_xlabel("tree nodes (with root)")
     ax.set_ylabel("step latency, ms (draft + verify + accept)")
     ax.set_title(f"Step latency on this machine\n{_machine_line(provenance)}", fontsize=10)
