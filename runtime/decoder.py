@@ -199,6 +199,7 @@ class TreeDecoder:
             choose.policy.check_bank(len(self.trees))
             choose.reset()
             reads_heads = choose.signal.name in HEAD_SIGNALS
+            reads_logits = choose.signal.reads_logits
         gen = None
         if isinstance(self.acceptance, TypicalAcceptance):
             gen = torch.Generator().manual_seed(self.acceptance.seed)
@@ -215,7 +216,7 @@ class TreeDecoder:
         last = logits[0, -1]
         root = int(last.argmax())
         if not fixed:
-            p0, entropy = _top1_and_entropy(last)
+            p0, entropy = _top1_and_entropy(last) if reads_logits else (math.nan, math.nan)
         result.tokens.append(root)
         result.prefill_seconds = time.perf_counter() - t0
         if stream:
@@ -250,7 +251,8 @@ class TreeDecoder:
             root = out[-1]
             if not fixed:
                 choose.update(len(path) - 1)
-                p0, entropy = _top1_and_entropy(logits[0, path[-1]])
+                if reads_logits:
+                    p0, entropy = _top1_and_entropy(logits[0, path[-1]])
             result.steps.append(StepRecord(k, len(path) - 1, time.perf_counter() - ts, signal))
             if stream:
                 stream(out)

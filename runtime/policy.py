@@ -70,6 +70,9 @@ class Signal:
 
     name: ClassVar[str] = "none"
     stateless: ClassVar[bool] = True  # the value depends on the current step's inputs only
+    # whether observe() reads p0 / entropy: the decoder computes them (an exp pass over the
+    # vocabulary, ~0.1 ms on a 2-core CPU) only for a signal that does
+    reads_logits: ClassVar[bool] = True
 
     def observe(self, p0: float, head_top1: Sequence[float], entropy: float) -> float:
         return 0.0
@@ -86,6 +89,8 @@ class Signal:
 
 class NoSignal(Signal):
     """For the static policy: nothing to compute."""
+
+    reads_logits = False
 
 
 class PaperSignal(Signal):
@@ -125,6 +130,7 @@ class AcceptEMA(Signal):
 
     name = "accept_ema"
     stateless = False
+    reads_logits = False
 
     def __init__(self, alpha: float = 0.5, init: float = 1.0) -> None:
         self.alpha = _check_alpha(alpha)

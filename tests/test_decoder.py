@@ -84,6 +84,42 @@ def test_switching_every_step_is_lossless() -> None:
     assert len(used) >= 1
 
 
+def test_signals_computed_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """p0/entropy (an exp pass over the vocabulary) run only for signals that read them, and the
+    heads' greedy chain only for greedy_path (the paper's signal equals p0 exactly): same
+    tokens, same tree choices, less work."""
+    import runtime.decoder as decoder_mod
+
+    model = tiny_model(2)
+    heads = tiny_heads(model, "hydra", seed=2)
+    trees = [TreeBuffers.compile(t) for t in TREES]
+    dec = TreeDecoder(model, heads, trees)
+    ids = list(range(5, 14))
+    calls = {"logits": 0, "chain": 0}
+    real_stats, real_chain = decoder_mod._top1_and_entropy, decoder_mod.greedy_chain_top1
+
+    def counting_stats(x):  # noqa: ANN001, ANN202
+        calls["logits"] += 1
+        return real_stats(x)
+
+    def counting_chain(*a):  # noqa: ANN002, ANN202
+        calls["chain"] += 1
+        return real_chain(*a)
+
+    monkeypatch.setattr(decoder_mod, "_top1_and_entropy", counting_stats)
+    monkeypatch.setattr(decoder_mod, "greedy_chain_top1", counting_chain)
+    ref = ar_greedy(model, ids, 30)
+    expect = {"accept_ema": (False, False), "p0": (True, False), "paper": (True, False), "greedy_path": (True, True)}
+    choices = {}
+    for signal, (logits, chain) in expect.items():
+        calls.update(logits=0, chain=0)
+        res = dec.generate(ids, 30, choose=Scheduler(LadderPolicy([0.3, 0.5, 0.7], signal=signal), len(trees)))
+        assert res.tokens == ref, signal
+        assert (calls["logits"] > 0, calls["chain"] > 0) == (logits, chain), (signal, calls)
+        choices[signal] = [s.tree for s in res.steps]
+    assert choices["paper"] == choices["p0"]  # the paper's signal is p0, chain or not
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trees=st.lists(valid_trees(max_depth=4, max_nodes=20), min_size=1, max_size=4),
        seed=st.integers(0, 10_000), kind=st.sampled_from(["hydra", "medusa"]))

@@ -7,9 +7,9 @@ A decoding step that picks its tree pays, besides drafting and verifying:
 1. the policy itself: signal update + choose + update on Python floats
    (`runtime.policy.policy_overhead_us`, per policy kind);
 2. the decoder's part of the signal on real-size tensors: p0 and the entropy of one base-logit row
-   (`runtime.decoder._top1_and_entropy`, 49,152 logits for SmolLM2), paid by every policy that
-   reads p0 or the entropy;
-3. for the head-reading signals (`paper` as written, `greedy_path`): the heads' greedy chain
+   (`runtime.decoder._top1_and_entropy`, 49,152 logits for SmolLM2), paid only by policies whose
+   signal reads p0 or the entropy (`accept_ema` and static ones skip it);
+3. for the head-reading signal `greedy_path`: the heads' greedy chain
    p_1..p_D (`runtime.decoder.greedy_chain_top1`), D head evaluations each with a full-vocabulary
    output, with SmolLM2-sized random heads. This is the price of those signals, reported apart,
    next to the cost of one lm_head product (1 x dim by dim x vocab): the chain is about D of
@@ -125,10 +125,10 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"    p0 + entropy, two-pass (old) {tr['top1_entropy_two_pass']:9.1f}  "
                      f"(new/old = {tr['top1_entropy'] / tr['top1_entropy_two_pass']:.2f})")
         for k in ("hydra", "medusa"):
-            lines.append(f"    heads' greedy chain ({k:6s})  {tr[f'greedy_chain_{k}']:9.1f}  (head-reading signals only; "
+            lines.append(f"    heads' greedy chain ({k:6s})  {tr[f'greedy_chain_{k}']:9.1f}  (greedy_path only; "
                          f"= {tr[f'greedy_chain_{k}'] / tr['lm_head_row']:.1f} x one lm_head row)")
         lines.append(f"    one lm_head row (reference)  {tr['lm_head_row']:9.1f}  (1 x {r['dim']} times {r['dim']} x {r['vocab']})")
-    lines.append("per-step total = policy + p0/entropy (+ greedy chain for paper / greedy_path signals)")
+    lines.append("per-step total = policy + p0/entropy (+ greedy chain for the greedy_path signal)")
     for t, tr in r["tensor_us"].items():
         pol = max(r["policy_us"].values())
         base = pol + tr["top1_entropy"]
