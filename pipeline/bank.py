@@ -14,6 +14,7 @@ from matplotlib.ticker import FuncFormatter  # noqa: E402
 from pipeline.rollout import load_rollout  # noqa: E402
 from pipeline.timing import throughput_hull  # noqa: E402
 from runtime.bank import TopologyBank  # noqa: E402
+from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
 
 
@@ -66,8 +67,6 @@ def build_bank(
         })
     best = max(range(len(trees)), key=lambda k: figures[k]["tok_per_s"])
     step_costs = [f["step_ms"] / 1000 for f in figures]
-    from runtime.decoder import HEAD_SIGNALS
-
     # only what the decoder pays: a signal it computes without the head chain costs nothing extra
     signal_costs = {name: ms / 1000 for name, ms in timing.get("signal_ms", {}).items() if name in HEAD_SIGNALS}
     fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg, signal_costs=signal_costs)
