@@ -31,6 +31,10 @@ import os, shutil, signal, sys, time
 from pathlib import Path
 from pipeline import artifacts
 
+# A process started from a background job inherits SIGINT ignored, and Python then keeps it
+# ignored; restore Ctrl-C's KeyboardInterrupt so the SIGINT case tests what a user's Ctrl-C does.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 out, key, mode, marker = sys.argv[1:5]
 
 def build(tmp):
