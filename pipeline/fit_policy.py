@@ -263,8 +263,8 @@ def fit_policies(
 ) -> dict[str, Any]:
     """Fit every policy kind over the bank `trees` (ordered by size) with measured `step_costs`.
 
-    signal_costs: seconds a signal adds to every step (by signal name; the head-chain signals
-    `paper` and `greedy_path` run the heads once more per step), charged to dynamic policies.
+    signal_costs: seconds a signal adds to every step (by signal name; e.g. `greedy_path` runs the
+    heads' greedy chain every step), charged to dynamic policies.
 
     signals: the (name, params) pairs to try, for every kind, or a dict kind -> pairs.
     tau_grid: the hysteresis grid (the paper's by default); fine_search adds the signal's

@@ -66,8 +66,9 @@ def time_trees(
                 prefill_s.append(res.prefill_seconds)
                 prompt_tokens.append(len(row["input_ids"]))
                 if tokens_per_step is not None and times:
-                    last_cost = max(last_cost, statistics.median(times))
-                    best_rate = max(best_rate, tokens_per_step[k] / statistics.median(times))
+                    cost = statistics.median(times)
+                    last_cost = max(last_cost, cost)
+                    best_rate = max(best_rate, tokens_per_step[k] / cost)
                 bar.update()
             # AR per-token latency: total minus this prompt's prefill, over the decoded tokens
             pre = statistics.median(prefill_s[-(n - len(pruned)):])
@@ -85,8 +86,8 @@ def time_trees(
 
 @torch.inference_mode()
 def time_head_chain(decoder: TreeDecoder, row: dict, repeats: int = 10) -> float:
-    """Median seconds of one `greedy_chain_top1` call (the per-step extra of the head-chain
-    signals `paper` and `greedy_path`), from the context vector after the prompt of `row`."""
+    """Median seconds of one `greedy_chain_top1` call (the per-step extra of the signals that read
+    the heads, `runtime.decoder.HEAD_SIGNALS`), from the context vector after the prompt of `row`."""
     model, heads = decoder.model, decoder.heads
     model.reset_cache()
     heads.reset()

@@ -26,15 +26,12 @@ import torch
 
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
-from runtime.policy import Scheduler
+from runtime.policy import SIGNALS, Scheduler
 from runtime.tree import TreeBuffers
 
-# Signals that read the heads' greedy chain (p_1..p_D) and so cost D extra head evaluations
-# (~4 lm_head products per step on the default model). The paper's signal max(p0, g_1..g_D) is
-# not among them: every g_d = p0 * p_1 * ... * p_d with p_i <= 1 is <= p0, also in floating point
-# (a product by a factor <= 1 never rounds above p0), so it equals p0 exactly and the decoder
-# passes it an empty chain instead of paying for one that cannot change the value.
-HEAD_SIGNALS = ("greedy_path",)
+# names of the signals for which the decoder runs the heads' greedy chain every step (see
+# `Signal.reads_heads`; the paper's signal is not one of them, see `PaperSignal`)
+HEAD_SIGNALS = tuple(name for name, cls in SIGNALS.items() if cls.reads_heads)
 
 
 @dataclass
@@ -198,7 +195,7 @@ class TreeDecoder:
                 raise ValueError(f"choose must be a tree index or a runtime.policy.Scheduler, got {type(choose).__name__}")
             choose.policy.check_bank(len(self.trees))
             choose.reset()
-            reads_heads = choose.signal.name in HEAD_SIGNALS
+            reads_heads = choose.signal.reads_heads
             reads_logits = choose.signal.reads_logits
         gen = None
         if isinstance(self.acceptance, TypicalAcceptance):

@@ -70,9 +70,11 @@ class Signal:
 
     name: ClassVar[str] = "none"
     stateless: ClassVar[bool] = True  # the value depends on the current step's inputs only
-    # whether observe() reads p0 / entropy: the decoder computes them (an exp pass over the
-    # vocabulary, ~0.1 ms on a 2-core CPU) only for a signal that does
+    # What observe() reads, so the decoder computes only that: p0 / entropy are an exp pass over the
+    # vocabulary (~0.1 ms on a 2-core CPU); the heads' greedy chain p_1..p_D is D more head
+    # evaluations with a full-vocabulary output each (~4 lm_head products on the default model).
     reads_logits: ClassVar[bool] = True
+    reads_heads: ClassVar[bool] = False
 
     def observe(self, p0: float, head_top1: Sequence[float], entropy: float) -> float:
         return 0.0
@@ -94,7 +96,10 @@ class NoSignal(Signal):
 
 
 class PaperSignal(Signal):
-    """max(p0, g_1..g_D); numerically always p0 (see `paper_signal`)."""
+    """max(p0, g_1..g_D); numerically always p0 (see `paper_signal`). It does not read the heads:
+    every g_d = p0 * p_1 * ... * p_d with p_i <= 1 is <= p0 also in floating point (a product by a
+    factor <= 1 never rounds above p0), so the decoder passes an empty chain instead of paying for
+    one that cannot change the value."""
 
     name = "paper"
 
@@ -115,6 +120,7 @@ class GreedyPathSignal(Signal):
     """g_D, the greedy path value through the heads: the signal that does read the heads."""
 
     name = "greedy_path"
+    reads_heads = True
 
     def observe(self, p0: float, head_top1: Sequence[float], entropy: float) -> float:
         return greedy_path_value(p0, head_top1)

@@ -42,10 +42,11 @@ from runtime.policy import LadderPolicy, Scheduler, Signal, greedy_path_value
 from runtime.tree import Tree, TreeBuffers
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-BANK = (Tree.chain(2), Tree([(0,), (1,), (0, 0), (0, 1), (1, 0)]), Tree.named("mc_sim_7b_63"))
+SIX_NODES = Tree([(0,), (1,), (0, 0), (0, 1), (1, 0)])
+BANK = (Tree.chain(2), SIX_NODES, Tree.named("mc_sim_7b_63"))
 # without the 63-node tree (a fp32 verify of 64 nodes costs ~3 small ones on this CPU): for runs
 # that must fit a short time slot
-SMALL_BANK = (Tree.chain(2), Tree([(0,), (1,), (0, 0), (0, 1), (1, 0)]),
+SMALL_BANK = (Tree.chain(2), SIX_NODES,
               Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0), (1, 0, 0)]))
 
 
@@ -77,13 +78,14 @@ class CyclingSignal(Signal):
     so that a ladder with thresholds 0.5, 1.5, ... picks a different tree at every step."""
 
     def __init__(self, n: int, reads_heads: bool = False) -> None:
-        self.name = "greedy_path" if reads_heads else "p0"  # what the decoder looks at to run the chain
+        self.name = "greedy_path" if reads_heads else "p0"
+        self.reads_heads = reads_heads  # the decoder then runs the heads' greedy chain every step
         self.n = n
         self.step = 0
         self.last = float("nan")
 
     def observe(self, p0: float, head_top1: Sequence[float], entropy: float) -> float:
-        self.last = greedy_path_value(p0, head_top1) if self.name == "greedy_path" else p0
+        self.last = greedy_path_value(p0, head_top1) if self.reads_heads else p0
         v = float(self.step % self.n)
         self.step += 1
         return v
