@@ -396,6 +396,20 @@ class DraftHeads(nn.Module):
         k = states.shape[-2]
         return torch.stack([self.heads[first_head - 1 + j].out(x[..., j, :]) for j in range(k)], dim=-2)
 
+    def candidate_logits(self, states: Tensor, candidates: Tensor) -> Tensor:
+        """Logits [M, D, C] of heads 1..D (states [M, D, dim]) for output ids `candidates` [C] only
+        (output-vocabulary ids: draft ids for output='draft'). Training's sampled softmax."""
+        x = self.dropout(states)
+        if self.config.output == "shared":
+            w = self._refs().lm_head.weight
+            return x.to(w.dtype) @ w[candidates.to(w.device)].T
+        outs = []
+        for j in range(states.shape[-2]):
+            out = self.heads[j].out
+            b = None if out.bias is None else out.bias[candidates]
+            outs.append(F.linear(x[..., j, :], out.weight[candidates], b))
+        return torch.stack(outs, dim=-2)
+
     def to_base_logits(self, logits: Tensor) -> Tensor:
         """Map draft-vocabulary logits [..., V_draft] to base-vocabulary ones (-inf elsewhere)."""
         if self.draft_ids is None:

@@ -417,3 +417,72 @@ def test_bad_sources_are_rejected(tmp_path):
     os.makedirs(tmp_path / "notok", exist_ok=True)
     with pytest.raises(FileNotFoundError):
         prepare_task(cfg, {"max_prompt_tokens": 10}, tmp_path / "notok", tmp_path / "data")
+
+
+def test_heads_function_prompts_never_meet_a_calib_or_eval_prompt(prepared_tiny, tiny_tok_dir):
+    """The heads' extra source (functions cut from sharegpt's train replies) is disjoint from every
+    calib/eval split of every task: no equal prompt, no function an evaluated prompt defines."""
+    from pipeline.train_heads import FUNCTIONS, TrainSettings, _DEF_NAME, _read_train_rows
+
+    s = TrainSettings(functions_from="sharegpt", max_prompt_tokens=512)
+    funcs = _read_train_rows(prepared_tiny, tiny_tok_dir, s)[FUNCTIONS]
+    assert len(funcs) > 50  # the real replies hold a few hundred functions
+    held = [r for t in TASKS for split in ("calib", "eval") for r in read_split(prepared_tiny, t, split)]
+    held_names = {n for r in held for n in _DEF_NAME.findall(r["prompt"])}
+    assert len(held_names) >= 100  # HumanEval's calib + eval prompts define 140 functions
+    train_ids = {r["id"] for r in read_split(prepared_tiny, "sharegpt", "train")}
+    for f in funcs:
+        _, src, rest = f["id"].split("/", 2)
+        assert f"{src}/{rest.rsplit('/', 1)[0]}" in train_ids  # cut from a train-pool reply only
+        assert "Complete the following Python function." in f["prompt"]
+        assert not set(_DEF_NAME.findall(f["prompt"])) & held_names
+    assert not {f["prompt"] for f in funcs} & {r["prompt"] for r in held}
+
+
+REPLY = """Here you go:
+
+```python
+import math
+from typing import List
+
+
+@cache
+def area(r: float) -> float:
+    \"\"\"Area of a circle.\"\"\"
+    return math.pi * r * r
+
+
+def has_close_elements(xs: List[float]) -> bool:
+    return any(abs(a - b) < 1 for a in xs for b in xs)
+
+def one_liner(): return 1
+```
+
+and in another block (not Python):
+
+```python
+for i in range(:
+```
+"""
+
+
+def test_function_texts_cut_signature_and_docstring() -> None:
+    from pipeline.train_heads import function_texts
+
+    got = dict(function_texts(REPLY))
+    assert set(got) == {"area", "has_close_elements"}  # the one-liner leaves nothing to complete
+    assert got["area"] == ('import math\nfrom typing import List\n\n\n@cache\ndef area(r: float) -> float:\n'
+                           '    """Area of a circle."""\n')
+    assert got["has_close_elements"].endswith("def has_close_elements(xs: List[float]) -> bool:\n")
+
+
+def test_function_prompts_leave_out_evaluated_names_and_duplicates(tiny_tok) -> None:
+    from pipeline.train_heads import function_prompts
+
+    rows = [{"id": "sharegpt/b", "reference": REPLY}, {"id": "sharegpt/a", "reference": REPLY},
+            {"id": "sharegpt/c", "reference": None}]
+    held = ["<|im_start|>user\ndef has_close_elements(numbers):\n<|im_end|>"]
+    out = function_prompts(rows, tiny_tok, "F:\n{text}", None, 4096, held)
+    assert [r["id"] for r in out] == ["functions/sharegpt/a/area"]  # once, from the first row by id
+    assert "F:\nimport math" in out[0]["prompt"] and out[0]["input_ids"]
+    assert function_prompts(rows, tiny_tok, "F:\n{text}", None, 20, held) == []  # too long: skipped

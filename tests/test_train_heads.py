@@ -137,6 +137,35 @@ def test_a_few_steps_reduce_the_loss(tiny_dir: Path, tmp_path: Path, seqs10: lis
     assert rep["tokens_per_step"]["chain1"] >= 1.0
 
 
+@pytest.mark.parametrize("output", ["shared", "own", "draft"])
+def test_candidate_logits_are_the_full_logits_at_those_ids(tiny_dir: Path, output: str) -> None:
+    heads = make_heads(tiny_dir, kind="hydra", output=output, draft_vocab_size=40 if output == "draft" else None).eval()
+    if output != "shared":  # move the own layers off the base copy, so a mix-up of heads would show
+        with torch.no_grad():
+            for h in heads.heads:
+                h.out.weight.add_(torch.randn_like(h.out.weight))
+    states = torch.randn(7, 4, 32)
+    cand = torch.tensor([0, 5, 17, 39])
+    full = heads.output_logits(states)
+    assert torch.allclose(heads.candidate_logits(states, cand), full[..., cand], atol=1e-5)
+
+
+def test_sampled_loss_is_the_full_loss_when_the_candidates_cover_the_vocabulary(tiny_dir: Path, seqs10: list[dict]
+                                                                               ) -> None:
+    heads = make_heads(tiny_dir, kind="hydra").eval()
+    batch = sequence_batch(heads, seqs10[:3])
+    with torch.no_grad():
+        full_all, _ = distill_loss(heads, batch)
+        torch.manual_seed(0)
+        covered, _ = distill_loss(heads, batch, negatives=20 * V)  # every id drawn: P(miss) ~ e^-20 per id
+        row = {k: v[:1] for k, v in batch.items()}  # one position: its 4 x 8 teacher ids cannot cover V
+        few, few_heads = distill_loss(heads, row, negatives=0)  # teacher top-k ids only
+        full, full_heads = distill_loss(heads, row)
+    assert torch.allclose(covered, full_all, atol=1e-5)
+    # a partial softmax never sees more mass than the full one: its loss is a lower bound
+    assert bool((few_heads <= full_heads + 1e-5).all()) and float(few) < float(full)
+
+
 def test_resume_gives_the_same_heads_as_an_uninterrupted_run(tiny_dir: Path, tmp_path: Path) -> None:
     seqs = selfdistill(tiny_dir, tmp_path, n=6)
     s = TrainSettings(max_steps=8, batch_sequences=2, lr=2e-3, checkpoint_every=3)
