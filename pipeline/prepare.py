@@ -27,7 +27,9 @@ at `pools.train`). The pools have fixed sizes that do not depend on the profile;
 the first n rows of a pool (`read_split(..., limit=n)`), so the train split, which trains the
 draft heads, is disjoint from the calib and eval rows of every profile. Records are de-duplicated
 by id and by text (first occurrence kept; texts equal up to whitespace and case count as
-duplicates) before the shuffle, so no prompt text can sit in two pools. Over-long prompts that
+duplicates) before the shuffle, so no prompt text can sit in two pools; as truncation can still
+render two texts to one prompt, a train row whose prompt repeats a calib/eval (or earlier train)
+prompt is dropped too (`overlong.train.duplicate` in the manifest). Over-long prompts that
 the `skip` policy drops leave their pool smaller: they are never back-filled from train, which
 would make train depend on the profile.
 
@@ -79,7 +81,7 @@ LOADERS = ("auto", "datasets", "plain")
 OVERLONG_POLICIES = ("truncate", "skip")
 DEFAULT_TRAIN_CAP = 400
 # Bump when the output of the stage changes for the same inputs, so old data/ folders rebuild.
-PREPARE_VERSION = 2
+PREPARE_VERSION = 3  # 3: train rows whose rendered prompt repeats another's are dropped
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -613,8 +615,9 @@ def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_di
         summary: dict[str, Any] = {"source": str(source), "records": stats, "model_dir": str(model_dir),
                                    "max_prompt_tokens": max_tokens, "overlong_policy": cfg["overlong"],
                                    "pools": {}, "overlong": {}, "prompt_tokens": {}, "split_hash": {}}
+        held: set[str] = set()  # eval + calib prompts (SPLITS puts train last)
         for split in SPLITS:
-            rows, counts = [], {"truncated": 0, "skipped": 0}
+            rows, counts = [], {"truncated": 0, "skipped": 0, "duplicate": 0}
             for rec in pools[split]:
                 out = render_prompt(tokenizer, rec["text"], cfg["template"], cfg["system"], max_tokens, cfg["overlong"])
                 if out is None:
@@ -622,6 +625,13 @@ def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_di
                     continue
                 prompt, ids, status = out
                 counts["truncated"] += status == "truncated"
+                if split == "train":
+                    # truncation can turn two different texts into one prompt (a shared 2,000-character
+                    # head): a train row must never repeat a calib/eval prompt, nor an earlier train row
+                    if prompt in held:
+                        counts["duplicate"] += 1
+                        continue
+                held.add(prompt)
                 rows.append({"id": rec["id"], "prompt": prompt, "input_ids": ids, "reference": rec["reference"]})
             data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
             (tmp / f"{split}.jsonl").write_bytes(data)

@@ -112,7 +112,7 @@ def test_every_task_loads_and_splits(task, task_cfgs, loaded):
     assert len(pools["eval"]) == cfg["pools"]["eval"]
     assert len(pools["calib"]) == cfg["pools"]["calib"]
     rest = len(records) - cfg["pools"]["eval"] - cfg["pools"]["calib"]
-    assert len(pools["train"]) == min(rest, cfg["pools"]["train"])
+    assert len(pools["train"]) == (rest if cfg["pools"]["train"] is None else min(rest, cfg["pools"]["train"]))
 
 
 def test_task_pool_sizes_are_the_issue_sizes(task_cfgs):
@@ -144,7 +144,9 @@ def test_pools_disjoint_across_all_tasks_by_id_and_text(task_cfgs, loaded):
 def test_prepared_splits_disjoint_by_prompt_across_tasks(prepared_tiny, task_cfgs, cpu_profile):
     rows = {(t, s): read_split(prepared_tiny, t, s) for t in TASKS for s in SPLITS}
     for (t, s), r in rows.items():
-        assert len(r) == len(assign_pools(load_records(task_cfgs[t])[0], task_cfgs[t])[s])  # truncate drops none
+        dropped = prepare.read_manifest(prepared_tiny, t)["summary"]["overlong"][s]["duplicate"]
+        assert dropped == 0 or s == "train"  # only train drops prompts that repeat another split's
+        assert len(r) + dropped == len(assign_pools(load_records(task_cfgs[t])[0], task_cfgs[t])[s])  # truncate drops none
         assert all(len(x["input_ids"]) <= cpu_profile["max_prompt_tokens"] for x in r)
     keys = sorted(rows)
     for i, a in enumerate(keys):
@@ -316,6 +318,17 @@ def test_skip_and_truncate_policies_are_counted(tmp_path, tiny_tok_dir):
     assert sum(c["truncated"] for c in sums["truncate"]["overlong"].values()) == 1
     assert sum(c["skipped"] for c in sums["skip"]["overlong"].values()) == 1
     assert sum(c["truncated"] for c in sums["skip"]["overlong"].values()) == 0
+
+
+def test_train_rows_that_truncate_to_a_held_prompt_are_dropped(tmp_path, tiny_tok_dir):
+    # 12 texts with one long shared head: truncated to 120 tokens they all render to one prompt
+    lines = [json.dumps({"q": "same head " * 30 + f"tail {i}", "a": str(i)}).encode() for i in range(12)]
+    cfg = _small_task(tmp_path, lines, pools={"eval": 2, "calib": 2, "train": None})
+    out = prepare_task(cfg, {"max_prompt_tokens": 120}, tiny_tok_dir, tmp_path / "data")
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    assert read_split(tmp_path / "data", "small", "train") == []
+    assert summary["overlong"]["train"] == {"truncated": 8, "skipped": 0, "duplicate": 8}
+    assert summary["pools"] == {"eval": 2, "calib": 2, "train": 0}  # eval/calib keep their fixed sizes
 
 
 def test_rendering_uses_the_models_chat_template(smollm2_dir, task_cfgs, loaded, tmp_path):

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, machine_info
 from pipeline.prepare import read_split
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = read_split(Path(args.data), task, "eval", limit=args.prompts)
         acc: dict[str, list[float]] = {}
         ar_decode(model, prompts[0]["input_ids"], 8)  # warm-up
-        for p in prompts:
+        for p in tqdm(prompts, desc=f"heads_speed {task}", unit="prompt"):
             ids = p["input_ids"]
             t0 = time.perf_counter()
             ref = ar_generate(model, ids, args.new_tokens)
