@@ -169,3 +169,15 @@ def test_cli_each_bad_setting_alone(case: str, tmp_path: Path) -> None:
     for w in words:
         assert w in out, (w, out)
     _assert_failed_fast(tmp_path, wall, cpu)
+
+
+def test_multirun_with_the_default_artifacts_dir(tmp_path: Path, smollm2_dir: Path) -> None:
+    """`make banks` is a hydra multirun with the default `artifacts_dir` (an interpolation of
+    ${hydra:runtime.cwd}): the sweep dir must resolve before hydra's runtime config exists."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "-m", "stage=model", "task=humaneval,gsm8k", "model=local",
+                           f"model.path={smollm2_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "#0 : stage=model" in out and "#1 : stage=model" in out, out
+    assert (tmp_path / "artifacts" / "logs" / "multirun").is_dir()
