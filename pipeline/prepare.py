@@ -615,7 +615,7 @@ def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_di
         summary: dict[str, Any] = {"source": str(source), "records": stats, "model_dir": str(model_dir),
                                    "max_prompt_tokens": max_tokens, "overlong_policy": cfg["overlong"],
                                    "pools": {}, "overlong": {}, "prompt_tokens": {}, "split_hash": {}}
-        held: set[str] = set()  # eval + calib prompts (SPLITS puts train last)
+        seen: set[str] = set()  # prompts written so far: eval and calib first (SPLITS puts train last)
         for split in SPLITS:
             rows, counts = [], {"truncated": 0, "skipped": 0, "duplicate": 0}
             for rec in pools[split]:
@@ -628,10 +628,10 @@ def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_di
                 if split == "train":
                     # truncation can turn two different texts into one prompt (a shared 2,000-character
                     # head): a train row must never repeat a calib/eval prompt, nor an earlier train row
-                    if prompt in held:
+                    if prompt in seen:
                         counts["duplicate"] += 1
                         continue
-                held.add(prompt)
+                seen.add(prompt)
                 rows.append({"id": rec["id"], "prompt": prompt, "input_ids": ids, "reference": rec["reference"]})
             data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
             (tmp / f"{split}.jsonl").write_bytes(data)
