@@ -5,7 +5,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.run import run
+import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+from pipeline.graph import run
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -89,25 +89,27 @@ def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
 def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     from pipeline.replay import accept_lengths, oracle_schedule
     from pipeline.rollout import rollout_prompt
-    from pipeline.run import _calib_rows, load_runtime, resolve_dtype
+    from pipeline.loaders import load_runtime, resolve_dtype
+    from pipeline.stages import heads as heads_stage
+    from pipeline.stages import model as model_stage
+    from pipeline.stages.evaluate import eval_rows
     from runtime.bank import TopologyBank
     from runtime.decoder import TreeDecoder
     from runtime.policy import Scheduler, policy_from_dict
     from runtime.tree import Tree, TreeBuffers
 
     n_new = int(cfg.evaluate.max_new_tokens)
-    rows = _calib_rows(cfg, int(cfg.profile.eval_prompts), split="eval")
+    rows = eval_rows(cfg)
     model, hydra = load_runtime(cfg)
     from runtime.fingerprint import heads_fingerprint, weights_fingerprint
-    from pipeline.run import stage_heads, stage_model
 
-    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(stage_model(cfg)),
-                             heads_fingerprint=heads_fingerprint(stage_heads(cfg)), max_depth=hydra.config.num_heads)
+    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_stage.output(cfg)),
+                             heads_fingerprint=heads_fingerprint(heads_stage.output(cfg)), max_depth=hydra.config.num_heads)
     mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
 
     methods: dict[str, Decode] = {"AR": _ar_method(model)}
     if cfg.evaluate.hf_generate:
-        methods["HF generate"] = _hf_method(stage_model(cfg))
+        methods["HF generate"] = _hf_method(model_stage.output(cfg))
     try:
         _, medusa = load_runtime(cfg, heads_name="medusa")
         methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc]), 0)

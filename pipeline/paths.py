@@ -1,10 +1,15 @@
-"""Where each stage's output lives, derived from the config in one place."""
+"""Where every pipeline output lives. `Layout` is the one place that turns the config (or a model
+name and an artifacts folder) into paths; stages and library modules ask it instead of joining
+folder names themselves."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
 
 
 @dataclass(frozen=True)
@@ -20,8 +25,27 @@ class Layout:
     def from_cfg(cls, cfg: Any) -> Layout:
         return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, cfg.heads.name, cfg.task.name, cfg.profile.name)
 
+    @classmethod
+    def for_model(cls, artifacts: str | Path, model_name: str, data: str | Path = "data") -> Layout:
+        """A layout for model-level outputs only (heads, caches), outside a full pipeline config."""
+        return cls(Path(artifacts), Path(data), model_name, "", "", "")
+
+    @property
+    def model_dir(self) -> Path:
+        """The converted model folder of a `gguf_package` / `hub` model."""
+        return self.artifacts / "models" / self.model_name
+
     def heads_dir(self, heads_name: str | None = None) -> Path:
         return self.artifacts / "heads" / self.model_name / (heads_name or self.heads_name)
+
+    @property
+    def heads_cache(self) -> Path:
+        """Self-distillation data and training checkpoints of every heads kind of this model."""
+        return self.artifacts / "cache" / "heads" / self.model_name
+
+    def task_data(self, task: str | None = None) -> Path:
+        """data/<task>/: the prepared splits."""
+        return self.data / (task or self.task)
 
     @property
     def work(self) -> Path:
@@ -29,9 +53,33 @@ class Layout:
         return self.artifacts / "rollouts" / self.model_name / self.heads_name / self.task / self.profile
 
     @property
+    def rollouts_root(self) -> Path:
+        """The intermediate outputs of every task and profile for this model and heads."""
+        return self.artifacts / "rollouts" / self.model_name / self.heads_name
+
+    @property
     def bank_dir(self) -> Path:
         return self.artifacts / "banks" / self.model_name / self.heads_name / self.task
 
     @property
+    def banks_root(self) -> Path:
+        """The banks of every task for this model and heads."""
+        return self.bank_dir.parent
+
+    @property
+    def model_reports(self) -> Path:
+        return self.artifacts / "reports" / self.model_name
+
+    @property
+    def dtype_choice(self) -> Path:
+        """The measured fp32-vs-bf16 choice of `dtype: auto` on this machine."""
+        return self.model_reports / "dtype_choice.json"
+
+    @property
+    def heads_reports(self) -> Path:
+        """Reports across the tasks of one model and heads (the task comparison)."""
+        return self.model_reports / self.heads_name
+
+    @property
     def reports(self) -> Path:
-        return self.artifacts / "reports" / self.model_name / self.heads_name / self.task
+        return self.heads_reports / self.task

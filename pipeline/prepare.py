@@ -104,15 +104,18 @@ _SKIP_COUNTERS = (
 
 
 def load_task_config(name_or_path: str | Path, conf_dir: str | Path = CONF_DIR) -> dict[str, Any]:
-    """Read a task YAML: a path to a file, or the name of one in `conf/task/`."""
+    """Read a task YAML (a path to a file, or the name of one in `conf/task/`) through the task schema."""
     from omegaconf import OmegaConf
+
+    from pipeline.schema import TaskConfig
 
     path = Path(name_or_path)
     if not path.suffix:
         path = Path(conf_dir) / "task" / f"{name_or_path}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"task config {path} does not exist; add a YAML file to conf/task/")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
+    merged = OmegaConf.merge(OmegaConf.structured(TaskConfig), OmegaConf.load(path))
+    return OmegaConf.to_container(merged, resolve=True)  # type: ignore[return-value]
 
 
 def load_profile_config(name_or_path: str | Path, conf_dir: str | Path = CONF_DIR) -> dict[str, Any]:
@@ -160,7 +163,8 @@ def validate_task_config(task_cfg: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"task {name!r}: unknown keys {sorted(unknown)}; allowed: {sorted(known)}")
 
-    source = dict(task_cfg.get("source") or {})
+    # unset entries (null in the typed schema) are left out, so a task reads the same from YAML or hydra
+    source = {k: v for k, v in dict(task_cfg.get("source") or {}).items() if v is not None}
     has_path, has_pkg = bool(source.get("path")), bool(source.get("package"))
     if has_path == has_pkg:
         raise ValueError(f"task {name!r}: source needs either `path`, or `package` and `file` (exactly one way)")
@@ -563,7 +567,7 @@ def load_chat_tokenizer(model_dir: str | Path) -> Any:
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{model_dir} holds no tokenizer; run the model stage (`make model`) first")
-    return _load_chat_tokenizer(str(model_dir.resolve()), _tokenizer_fingerprint(model_dir))
+    return _load_chat_tokenizer(str(model_dir.resolve()), tokenizer_fingerprint(model_dir))
 
 
 @functools.lru_cache(maxsize=4)
@@ -580,7 +584,7 @@ def _load_chat_tokenizer(model_dir: str, fingerprint: str) -> Any:
 # the stage
 
 
-def _tokenizer_fingerprint(model_dir: Path) -> str:
+def tokenizer_fingerprint(model_dir: Path) -> str:
     files = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
     if not files:
         raise FileNotFoundError(f"{model_dir} holds none of {TOKENIZER_FILES}; run the model stage first")
@@ -605,7 +609,7 @@ def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_di
         "task": cfg,
         "max_prompt_tokens": max_tokens,
         "source_fingerprint": files_fingerprint([source]),
-        "tokenizer_fingerprint": _tokenizer_fingerprint(model_dir),
+        "tokenizer_fingerprint": tokenizer_fingerprint(model_dir),
     }
 
     def build(tmp: Path) -> dict[str, Any]:

@@ -1,0 +1,202 @@
+"""Training: head d at step i (the position whose base argmax is y_{i+1}) reads the context vector
+there (Hydra: plus the true tokens y_{i+1..i+d}) and learns the base distribution of y_{i+1+d}
+(Hydra++'s distillation loss), by default as a softmax over the step's candidate ids (the batch's
+teacher top-k ids plus uniform negatives) rather than the whole vocabulary, whose output layer
+dominates a step's cost. AdamW, linear warm-up then cosine decay. Checkpoints (safetensors:
+weights, optimiser moments, RNG state; JSON metadata inside) are written atomically every
+`checkpoint_every` steps; a restarted run continues from the last one with the same result as an
+uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save
+from tqdm.auto import tqdm
+
+from pipeline.artifacts import atomic_write_bytes
+from pipeline.schema import TrainSettings
+from runtime.heads import DraftHeads
+
+log = logging.getLogger(__name__)
+
+
+def sequence_batch(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Training rows of continuation steps: context vectors h [M, dim], true tokens [M, D], and for
+    each head the teacher's top-k of its target [M, D, k] with a validity mask [M, D]."""
+    D = heads.config.num_heads
+    hs, toks, ids, ps, valid = [], [], [], [], []
+    for s in seqs:
+        P, y = int(s["prompt_len"]), s["tokens"]
+        T = len(y)
+        ctx = heads.context(s["hidden"].float())[P - 1:P - 1 + T]           # [T, dim], step i at row i
+        step = torch.arange(T)[:, None]
+        ahead = step + torch.arange(D)[None, :]                             # y_{i+1+j}: index i+j
+        toks.append(torch.where(ahead < T, y[ahead.clamp(max=T - 1)], 0))
+        target_step = step + torch.arange(1, D + 1)[None, :]                # head d learns step i+d's distribution
+        ok = target_step < T
+        tgt = target_step.clamp(max=T - 1)
+        ids.append(s["topk_ids"][tgt].long())
+        ps.append(s["topk_p"][tgt].float() * ok[..., None])
+        valid.append(ok)
+        hs.append(ctx)
+    return {"h": torch.cat(hs), "tokens": torch.cat(toks), "ids": torch.cat(ids), "p": torch.cat(ps),
+            "valid": torch.cat(valid)}
+
+
+def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], negatives: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean over heads of each head's mean cross-entropy against the teacher, per-head losses [D]
+    detached). `negatives=None`: softmax over the whole output vocabulary; an int n: over the
+    batch's candidates only (every teacher top-k id plus n uniform draws from the global RNG)."""
+    states = heads.head_states(batch["h"], batch["tokens"])                 # [M, D, dim]
+    ids, p = batch["ids"], batch["p"]
+    v_out = heads.config.draft_vocab_size or heads.config.vocab_size
+    if heads.draft_ids is not None:  # targets outside the draft vocabulary carry no learnable mass
+        inv = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
+        inv[heads.draft_ids] = torch.arange(len(heads.draft_ids))
+        ids = inv[ids]
+        p = torch.where(ids >= 0, p, 0.0)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+        ids = ids.clamp(min=0)
+    if negatives is None:
+        logits = heads.output_logits(states).float()                        # [M, D, V_out]
+    else:
+        cand = torch.unique(torch.cat([ids.flatten(), torch.randint(0, v_out, (negatives,))]))
+        slot = torch.full((v_out,), -1, dtype=torch.long)
+        slot[cand] = torch.arange(len(cand))
+        logits = heads.candidate_logits(states, cand).float()               # [M, D, C]
+        ids = slot[ids]
+    ce = torch.logsumexp(logits, dim=-1) - (p * logits.gather(-1, ids)).sum(-1)   # [M, D]
+    valid = batch["valid"].float()
+    per_head = (ce * valid).sum(0) / valid.sum(0).clamp_min(1.0)
+    return per_head.mean(), per_head.detach()
+
+
+def lr_at(step: int, total: int, s: TrainSettings) -> float:
+    warm = max(1, int(round(s.warmup_frac * total)))
+    if step < warm:
+        return s.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return s.lr * 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
+
+
+def batch_schedule(n_seqs: int, total_steps: int, s: TrainSettings) -> list[list[int]]:
+    """Sequence indices of every step: seeded reshuffles per epoch, fixed for the whole run."""
+    rng = np.random.default_rng(s.seed)
+    out: list[list[int]] = []
+    perm: list[int] = []
+    while len(out) < total_steps:
+        if len(perm) < s.batch_sequences:
+            perm += rng.permutation(n_seqs).tolist()
+        out.append(perm[:s.batch_sequences])
+        perm = perm[s.batch_sequences:]
+    return out
+
+
+def total_steps_for(n_seqs: int, s: TrainSettings) -> int:
+    if s.max_steps is not None:
+        return s.max_steps
+    return max(1, math.ceil(s.epochs * n_seqs / s.batch_sequences))
+
+
+def _save_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer, step: int, meta: dict[str, Any]) -> None:
+    tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in heads.state_dict().items()}
+    names = [n for n, _ in heads.named_parameters()]
+    for i, name in enumerate(names):
+        st = opt.state.get(opt.param_groups[0]["params"][i], {})
+        for k, v in st.items():
+            tensors[f"optim.{name}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous()
+    tensors["rng.torch"] = torch.get_rng_state()
+    info = {**meta, "step": step, "param_names": names}
+    atomic_write_bytes(path, save(tensors, metadata={"checkpoint": json.dumps(info)}))
+
+
+def _load_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        info = json.loads(f.metadata()["checkpoint"])
+    tensors = load_file(str(path))
+    heads.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
+    params = dict(heads.named_parameters())
+    if info["param_names"] != list(params):
+        raise ValueError(f"checkpoint {path} was written for other parameters; delete it to start over")
+    for name, p in params.items():
+        st = {k.split(".")[-1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.")
+              and k[len(f"optim.{name}."):].count(".") == 0}
+        if st:
+            opt.state[p] = st
+    torch.set_rng_state(tensors["rng.torch"])
+    return info
+
+
+def train_loop(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], s: TrainSettings, work_dir: Path,
+               run_key: str, stop_after: int | None = None) -> dict[str, Any]:
+    """Train `heads` (bound, float32) on `seqs`; resumable from `work_dir/checkpoint.safetensors`.
+
+    `stop_after` ends the call after that many steps of this run (a test's simulated interruption)."""
+    total = total_steps_for(len(seqs), s)
+    schedule = batch_schedule(len(seqs), total, s)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    ckpt = work_dir / "checkpoint.safetensors"
+    start, history = 0, []
+    torch.manual_seed(s.seed)
+    if ckpt.is_file():
+        info = _load_checkpoint(ckpt, heads, opt)
+        if info.get("run_key") != run_key:
+            raise ValueError(f"checkpoint {ckpt} belongs to another configuration; delete it to start over")
+        start, history = int(info["step"]), list(info.get("history", []))
+        log.info("[heads] resuming from step %d/%d", start, total)
+    heads.train()
+    t0 = time.time()
+    bar = tqdm(range(start, total), desc=f"train {heads.config.kind}{'++' if heads.config.prefix_layer else ''}",
+               unit="step", initial=start, total=total)
+    done = 0
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total, s)
+        batch = sequence_batch(heads, [seqs[i] for i in schedule[step]])
+        loss, per_head = distill_loss(heads, batch, s.negatives if s.loss == "sampled" else None)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if s.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
+        opt.step()
+        history.append(round(loss.item(), 5))
+        bar.set_postfix(loss=f"{history[-1]:.3f}", heads=" ".join(f"{x:.2f}" for x in per_head.tolist()), refresh=False)
+        done += 1
+        last = step + 1 == total
+        if (step + 1) % s.checkpoint_every == 0 or last or (stop_after is not None and done >= stop_after):
+            _save_checkpoint(ckpt, heads, opt, step + 1, {"run_key": run_key, "history": history, "total": total})
+        if stop_after is not None and done >= stop_after and not last:
+            break
+    bar.close()
+    heads.eval()
+    return {"steps": total, "resumed_from": start, "seconds_this_run": round(time.time() - t0, 1),
+            "loss_first": history[0] if history else None, "loss_last": history[-1] if history else None,
+            "loss_history": history}
+
+
+def draft_vocabulary(seqs: list[dict[str, torch.Tensor]], size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens of the training continuations (EAGLE-3's recipe),
+    completed with the teachers' top candidates when the continuations use fewer distinct tokens."""
+    counts: dict[int, float] = {}
+    for s in seqs:
+        for t in s["tokens"].tolist():
+            counts[t] = counts.get(t, 0) + 1.0
+    for s in seqs:
+        for t, p in zip(s["topk_ids"].flatten().tolist(), s["topk_p"].flatten().tolist()):
+            counts[t] = counts.get(t, 0) + 1e-3 * p
+    ranked = sorted(counts, key=lambda t: -counts[t])[:size]
+    if len(ranked) < size:
+        raise ValueError(f"draft_vocab_size={size} exceeds the {len(ranked)} distinct tokens seen in training")
+    return torch.tensor(sorted(ranked), dtype=torch.long)

@@ -1,0 +1,95 @@
+"""Runtime objects the stages share, loaded once per process: the decode dtype chosen for this
+machine, the model with its draft heads, and tree decoders over them."""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from pipeline.artifacts import atomic_write_json, machine_info, read_json
+from pipeline.graph import once_per_config
+from pipeline.paths import Layout
+from pipeline.stages import heads as heads_stage
+from pipeline.stages import model as model_stage
+
+log = logging.getLogger(__name__)
+
+
+def pick_decode_dtype(model_dir: Path, sizes: tuple[int, ...] = (1, 8, 16), context: int = 256) -> dict[str, Any]:
+    """Time fp32 and bf16 forwards side by side (interleaved) at the sizes a decode step uses and
+    keep the dtype with the lower summed latency. No assumption about the CPU: some have native
+    bf16 matrix units (AMX), others emulate bf16 and are slower in it."""
+    from pipeline.benchmarks.cost_curve import measure_cost_curves
+    from runtime.model import load_model
+
+    models = {d: load_model(model_dir, dtype=getattr(torch, d), max_seq_len=context + max(sizes) + 1)
+              for d in ("float32", "bfloat16")}
+    rows = measure_cost_curves(models, list(sizes), [context], repeats=3)
+    cost = {d: sum(r["median_ms"] for r in rows if r["model"] == d) for d in models}
+    best = min(cost, key=cost.get)
+    log.info("[dtype] step cost over new tokens %s at context %d: %s -> %s", list(sizes), context,
+             ", ".join(f"{d} {c:.1f} ms" for d, c in cost.items()), best)
+    return {"dtype": best, "cost_ms": cost, "rows": rows}
+
+
+@once_per_config
+def resolve_dtype(cfg: DictConfig) -> str:
+    """`dtype: auto` picks the faster dtype for tree decoding on this machine, measured once."""
+    if cfg.dtype != "auto":
+        return str(cfg.dtype)
+    if cfg.device == "cuda":
+        return "float16"
+    f = Layout.from_cfg(cfg).dtype_choice
+    mach = machine_info()
+    if f.is_file():
+        doc = read_json(f)
+        if doc.get("machine", {}).get("cpu") == mach["cpu"] and doc.get("machine", {}).get("cores") == mach["cores"]:
+            return doc["dtype"]
+    choice = pick_decode_dtype(model_stage.output(cfg))
+    atomic_write_json(f, {**choice, "machine": mach})
+    return choice["dtype"]
+
+
+@cache
+def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, threads: int | None, device: str):
+    from runtime.heads import load_heads
+    from runtime.model import load_model
+
+    model = load_model(model_dir, dtype=getattr(torch, dtype), max_seq_len=max_seq_len, device=device)
+    if threads:
+        torch.set_num_threads(threads)
+    heads = load_heads(heads_dir, model=model)
+    return model, heads
+
+
+def load_runtime(cfg: DictConfig, heads_name: str | None = None):
+    """(model, heads) for `cfg`, loaded once per process; `heads_name` picks another trained kind
+    of the same model (the evaluate stage's Medusa baseline)."""
+    lay = Layout.from_cfg(cfg)
+    heads_dir = heads_stage.output(cfg) if heads_name is None else lay.heads_dir(heads_name)
+    return _load_runtime(str(model_stage.output(cfg)), str(heads_dir), resolve_dtype(cfg), int(cfg.model.max_seq_len),
+                         cfg.threads, str(cfg.device))
+
+
+def tree_decoder(cfg: DictConfig, trees: list, heads_name: str | None = None):
+    """A TreeDecoder over the runtime model and heads for the given trees."""
+    from runtime.decoder import TreeDecoder
+    from runtime.tree import TreeBuffers
+
+    model, heads = load_runtime(cfg, heads_name)
+    return TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees])
+
+
+@once_per_config
+def runtime_key(cfg: DictConfig) -> dict[str, Any]:
+    """The part of a stage key shared by every stage that decodes: weights, heads and dtype."""
+    from pipeline.model import model_fingerprint
+    from runtime.fingerprint import heads_fingerprint
+
+    return {"model": model_fingerprint(model_stage.output(cfg)), "heads": heads_fingerprint(heads_stage.output(cfg)),
+            "dtype": resolve_dtype(cfg)}
