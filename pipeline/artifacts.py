@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import platform
 import re
@@ -49,6 +50,7 @@ from runtime.io import atomic_write_bytes, fsync_dir
 __all__ = ["atomic_write_bytes", "atomic_write_json", "files_fingerprint", "fsync_dir"]  # re-exported for stages
 
 MANIFEST = "manifest.json"
+_log = logging.getLogger(__name__)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -215,7 +217,7 @@ def _leftovers(out_dir: Path) -> tuple[list[Path], list[Path]]:
     return ([p for p in siblings if partial.fullmatch(p.name)], [p for p in siblings if old.fullmatch(p.name)])
 
 
-def recover_stage_output(out_dir: str | Path, log: Callable[[str], None] = print) -> None:
+def recover_stage_output(out_dir: str | Path, log: Callable[[str], None] | None = None) -> None:
     """Undo what a killed `run_stage` of `out_dir` left behind. Call only while holding `file_lock(out_dir)`.
 
     * the final folder is missing but a moved-aside `.old` one exists (killed between the two
@@ -223,6 +225,7 @@ def recover_stage_output(out_dir: str | Path, log: Callable[[str], None] = print
     * `.old` folders next to a published output: their replacement was published, delete them;
     * `.partial` folders: the lock proves no live run is building this output; delete them.
     """
+    log = log or _log.info
     out_dir = Path(out_dir)
     partials, olds = _leftovers(out_dir)
     for p in partials:
@@ -277,7 +280,7 @@ def run_stage(
     key: dict[str, Any],
     build: Callable[[Path], dict[str, Any] | None],
     force: bool = False,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Build `out_dir` with `build(tmp_dir)` unless an output with the same `key` exists.
 
@@ -288,6 +291,7 @@ def run_stage(
     output stays intact (see the module docstring for a kill during the swap itself). Whatever
     dict `build` returns is stored in the manifest as `summary`.
     """
+    log = log or _log.info  # hydra's job log records what stages say
     out_dir = Path(out_dir)
     with file_lock(out_dir, on_wait=lambda holder: log(f"[{name}] waiting for {holder}, which is building {out_dir}")):
         recover_stage_output(out_dir, log=lambda msg: log(f"[{name}] {msg}"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from pipeline.artifacts import atomic_write_bytes  # noqa: E402
 from runtime.bank import BankError, TopologyBank  # noqa: E402
 
 
+log = logging.getLogger(__name__)
+
 def compare_banks(bank_root: Path, work_root: Path, out_dir: Path, tasks: list[str]) -> dict[str, Any]:
     """`bank_root` = artifacts/banks/<model>/<heads>, `work_root` = artifacts/rollouts/<model>/<heads>
     (the grow frontiers live under <task>/<profile>/grow/). Writes task_comparison.{png,md}."""
@@ -24,7 +27,7 @@ def compare_banks(bank_root: Path, work_root: Path, out_dir: Path, tasks: list[s
         try:
             banks[t] = TopologyBank.load(bank_root / t)
         except BankError as e:
-            print(f"[compare] skipping {t}: {e}")
+            log.info("%s", f"[compare] skipping {t}: {e}")
     if not banks:
         raise SystemExit(f"no banks under {bank_root}; build them with `make banks`")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -68,5 +71,5 @@ def compare_banks(bank_root: Path, work_root: Path, out_dir: Path, tasks: list[s
     tmp.replace(out_dir / "task_comparison.png")
     table = "\n".join(rows) + "\n"
     atomic_write_bytes(out_dir / "task_comparison.md", table.encode())
-    print(table)
+    log.info("%s", table)
     return {"tasks": list(banks), "plot": str(out_dir / "task_comparison.png")}

@@ -9,6 +9,7 @@ hindsight over the bank, an upper bound for any policy over it).
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -26,6 +27,8 @@ from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_in
 
 Decode = Callable[[list[int], int], dict[str, Any]]
 
+
+log = logging.getLogger(__name__)
 
 def _spec_method(decoder, choose) -> Decode:
     def run(ids: list[int], n: int) -> dict[str, Any]:
@@ -114,7 +117,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
         _, medusa = load_runtime(cfg, heads_name="medusa")
         methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc]), 0)
     except FileNotFoundError as e:
-        print(f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
+        log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
     hydra_mc = TreeDecoder(model, hydra, [mc])
     methods["Hydra default"] = _spec_method(hydra_mc, 0)
     bank_dec = TreeDecoder(model, hydra, bank.buffers)
@@ -147,7 +150,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
         oracle_tokens += len(ro["tokens"]) - 1
         oracle_steps += len(sched)
         if ro["tokens"].tolist() != ar_tokens[row["id"]]:
-            print(f"[evaluate] note: rollout and AR differ on {row['id']} (float tie)")
+            log.info("%s", f"[evaluate] note: rollout and AR differ on {row['id']} (float tie)")
 
     ar = recs["AR"]
     rows_out = []
@@ -187,7 +190,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     dyn = [label for label in labels.values() if label in names]
     if dyn:
         plot_schedule(recs[dyn[0]][0], bank, out / "schedule.png", dyn[0])
-    print(table_markdown(df, cfg, resolve_dtype(cfg)))
+    log.info("%s", table_markdown(df, cfg, resolve_dtype(cfg)))
     return {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}
 
 

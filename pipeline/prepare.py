@@ -678,7 +678,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("tasks", nargs="+", help="task names (conf/task/<name>.yaml) or YAML paths")
     p.add_argument("--profile", default="cpu")
-    p.add_argument("--model-dir", default="artifacts/models/smollm2-135m-instruct")
+    p.add_argument("--model-dir", required=True, help="the model folder whose tokenizer renders the prompts")
     p.add_argument("--data-dir", default="data")
     p.add_argument("--force", action="store_true")
     args = p.parse_args(argv)

@@ -35,7 +35,7 @@ def _cfg(artifacts: Path, data: Path, bundle: TinyBundle):
 
 def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline import run as run_mod
+    from pipeline import graph
 
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
@@ -48,8 +48,8 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
 
     monkeypatch.setattr(pipeline.prepare, "read_split", recording_read_split)
     cfg = _cfg(artifacts, data, bundle)
-    run_mod._MEMO.clear()
-    bank_dir = run_mod.run(cfg)
+    graph.clear_memo()
+    bank_dir = graph.run(cfg)
 
     assert "calib" in reads, "the bank stage never read the calibration split: the recording is broken"
     assert "eval" not in reads, f"the bank stage read the eval split: {reads}"
@@ -67,6 +67,6 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
     eval_file = data / "humaneval" / "eval.jsonl"
     manifest_before = (bank_dir / "manifest.json").read_text()
     eval_file.write_text(eval_file.read_text().splitlines(keepends=True)[0])
-    run_mod._MEMO.clear()
-    again = run_mod.run(cfg)
+    graph.clear_memo()
+    again = graph.run(cfg)
     assert again == bank_dir and (bank_dir / "manifest.json").read_text() == manifest_before

@@ -435,10 +435,11 @@ def test_bad_sources_are_rejected(tmp_path):
 def test_heads_function_prompts_never_meet_a_calib_or_eval_prompt(prepared_tiny, tiny_tok_dir):
     """The heads' extra source (functions cut from sharegpt's train replies) is disjoint from every
     calib/eval split of every task: no equal prompt, no function an evaluated prompt defines."""
-    from pipeline.train_heads import FUNCTIONS, TrainSettings, _DEF_NAME, _read_train_rows
+    from pipeline.heads.mix import _DEF_NAME, FUNCTIONS, read_train_rows
+    from pipeline.schema import TrainSettings
 
     s = TrainSettings(functions_from="sharegpt", max_prompt_tokens=512)
-    funcs = _read_train_rows(prepared_tiny, tiny_tok_dir, s)[FUNCTIONS]
+    funcs = read_train_rows(prepared_tiny, tiny_tok_dir, s)[FUNCTIONS]
     assert len(funcs) > 50  # the real replies hold a few hundred functions
     held = [r for t in TASKS for split in ("calib", "eval") for r in read_split(prepared_tiny, t, split)]
     held_names = {n for r in held for n in _DEF_NAME.findall(r["prompt"])}
@@ -480,7 +481,7 @@ for i in range(:
 
 
 def test_function_texts_cut_signature_and_docstring() -> None:
-    from pipeline.train_heads import function_texts
+    from pipeline.heads.mix import function_texts
 
     got = dict(function_texts(REPLY))
     assert set(got) == {"area", "has_close_elements"}  # the one-liner leaves nothing to complete
@@ -490,7 +491,7 @@ def test_function_texts_cut_signature_and_docstring() -> None:
 
 
 def test_function_prompts_leave_out_evaluated_names_and_duplicates(tiny_tok) -> None:
-    from pipeline.train_heads import function_prompts
+    from pipeline.heads.mix import function_prompts
 
     rows = [{"id": "sharegpt/b", "reference": REPLY}, {"id": "sharegpt/a", "reference": REPLY},
             {"id": "sharegpt/c", "reference": None}]

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.train_heads import (
-    TrainSettings,
-    build_selfdistill,
-    distill_loss,
-    evaluate_heads,
-    generate_batch,
-    select_prompts,
-    sequence_batch,
-    train_heads,
-    train_loop,
-)
+from pipeline.heads import TrainSettings, select_prompts, train_heads
+from pipeline.heads.distill import build_selfdistill, generate_batch
+from pipeline.heads.report import evaluate_heads
+from pipeline.heads.train import distill_loss, sequence_batch, train_loop
 from runtime.generate import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, load_heads
 from runtime.model import load_model
@@ -88,7 +82,7 @@ def seqs10(tiny_dir: Path, tmp_path_factory) -> list[dict]:
 def selfdistill(tiny_dir: Path, tmp: Path, n: int = 10) -> list[dict]:
     rows = [{"id": str(i), "input_ids": p} for i, p in enumerate(prompts(n, seed=3))]
     s = TrainSettings(max_new_tokens=16, gen_batch=4, teacher_topk=8, max_prompts=n + 1, holdout_prompts=1)
-    return build_selfdistill(tiny_dir, rows, s, tmp / "sd", log=lambda _: None)
+    return build_selfdistill(tiny_dir, rows, s, tmp / "sd")
 
 
 def make_heads(tiny_dir: Path, **kw) -> DraftHeads:
@@ -120,14 +114,14 @@ def test_a_few_steps_reduce_the_loss(tiny_dir: Path, tmp_path: Path, seqs10: lis
     heads = make_heads(tiny_dir, kind=kind, prefix_layer=prefix, output=output,
                        draft_vocab_size=40 if output == "draft" else None)
     if output == "draft":
-        from pipeline.train_heads import draft_vocabulary
+        from pipeline.heads.train import draft_vocabulary
 
         heads.set_draft_vocab(draft_vocabulary(seqs, 40))
     batch = sequence_batch(heads, seqs)
     with torch.no_grad():
         before = float(distill_loss(heads.eval(), batch)[0])
     s = TrainSettings(max_steps=25, batch_sequences=3, lr=3e-3, warmup_frac=0.1, checkpoint_every=100)
-    fit = train_loop(heads, seqs, s, tmp_path / "work", run_key="k", log=lambda _: None)
+    fit = train_loop(heads, seqs, s, tmp_path / "work", run_key="k")
     batch = sequence_batch(heads, seqs)
     with torch.no_grad():
         after = float(distill_loss(heads.eval(), batch)[0])
@@ -172,18 +166,18 @@ def test_resume_gives_the_same_heads_as_an_uninterrupted_run(tiny_dir: Path, tmp
     cfg = {"kind": "hydra", "prefix_layer": True, "dropout": 0.2}  # dropout: the RNG state must resume too
 
     whole = make_heads(tiny_dir, **cfg)
-    train_loop(whole, seqs, s, tmp_path / "a", run_key="k", log=lambda _: None)
+    train_loop(whole, seqs, s, tmp_path / "a", run_key="k")
 
     part = make_heads(tiny_dir, **cfg)
-    train_loop(part, seqs, s, tmp_path / "b", run_key="k", stop_after=5, log=lambda _: None)  # "killed" after 5 steps
+    train_loop(part, seqs, s, tmp_path / "b", run_key="k", stop_after=5)  # "killed" after 5 steps
     torch.manual_seed(123)  # whatever happened in between must not matter
     resumed = make_heads(tiny_dir, **cfg)
-    fit = train_loop(resumed, seqs, s, tmp_path / "b", run_key="k", log=lambda _: None)
+    fit = train_loop(resumed, seqs, s, tmp_path / "b", run_key="k")
     assert fit["resumed_from"] == 5
     for k, v in whole.state_dict().items():
         assert torch.equal(resumed.state_dict()[k], v), k
     with pytest.raises(ValueError, match="another configuration"):
-        train_loop(make_heads(tiny_dir, **cfg), seqs, s, tmp_path / "b", run_key="other", log=lambda _: None)
+        train_loop(make_heads(tiny_dir, **cfg), seqs, s, tmp_path / "b", run_key="other")
 
 
 def write_task(data_dir: Path, task: str, rows: list[list[int]]) -> None:
@@ -193,16 +187,16 @@ def write_task(data_dir: Path, task: str, rows: list[list[int]]) -> None:
             f.write(json.dumps({"id": f"{task}/{i}", "prompt": "", "input_ids": ids, "reference": None}) + "\n")
 
 
-def test_stage_writes_loadable_heads_and_is_skipped_when_up_to_date(tiny_dir: Path, tmp_path: Path) -> None:
+def test_stage_writes_loadable_heads_and_is_skipped_when_up_to_date(tiny_dir: Path, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
     data = tmp_path / "data"
     write_task(data, "t1", prompts(6, seed=1))
     write_task(data, "t2", prompts(6, seed=2))
     cfg = {"name": "hydra", "kind": "hydra", "num_heads": 3, "num_layers": 1, "prefix_layer": False,
            "output": "shared", "dropout": 0.1, "dir": None,
-           "train": {"tasks": ["t1", "t2"], "max_prompts": 10, "holdout_prompts": 2, "max_new_tokens": 12,
+           "train": {"tasks": ["t1", "t2"], "functions_from": None, "max_prompts": 10, "holdout_prompts": 2, "max_new_tokens": 12,
                      "gen_batch": 4, "teacher_topk": 8, "max_steps": 6, "batch_sequences": 2, "checkpoint_every": 4}}
-    logs: list[str] = []
-    out = train_heads(cfg, tiny_dir, data, tmp_path / "artifacts", log=logs.append)
+    out = train_heads(cfg, tiny_dir, data, tmp_path / "artifacts")
     assert out == tmp_path / "artifacts" / "heads" / tiny_dir.name / "hydra"
     assert {"config.json", "heads.safetensors", "report.json", "manifest.json"} <= {p.name for p in out.iterdir()}
     report = json.loads((out / "report.json").read_text())
@@ -216,10 +210,11 @@ def test_stage_writes_loadable_heads_and_is_skipped_when_up_to_date(tiny_dir: Pa
     with pytest.raises(ValueError, match="trained on base model"):
         load_heads(out, model, base_fingerprint="0000000000000000")
 
-    logs.clear()
-    assert train_heads(cfg, tiny_dir, data, tmp_path / "artifacts", log=logs.append) == out
-    assert any("up to date" in m for m in logs)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        assert train_heads(cfg, tiny_dir, data, tmp_path / "artifacts") == out
+    assert any("up to date" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="unknown heads config keys"):
-        train_heads({**cfg, "heads": 4}, tiny_dir, data, tmp_path / "artifacts", log=logs.append)
+        train_heads({**cfg, "heads": 4}, tiny_dir, data, tmp_path / "artifacts")
     with pytest.raises(ValueError, match="unknown heads.train keys"):
-        train_heads({**cfg, "train": {"step": 3}}, tiny_dir, data, tmp_path / "artifacts", log=logs.append)
+        train_heads({**cfg, "train": {"step": 3}}, tiny_dir, data, tmp_path / "artifacts")

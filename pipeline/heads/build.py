@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipeline.artifacts import atomic_write_json, hash_obj, machine_info, read_json, run_stage
+from pipeline.artifacts import atomic_write_json, files_fingerprint, hash_obj, machine_info, read_json, run_stage
 from pipeline.heads.distill import build_selfdistill
 from pipeline.heads.mix import read_train_rows, select_prompts
 from pipeline.heads.report import evaluate_heads, format_report
@@ -49,12 +49,17 @@ def _mix_inputs(data_dir: Path, model_dir: Path, s: TrainSettings) -> dict[str, 
     from pipeline.prepare import load_task_config, tokenizer_fingerprint
 
     tasks = sorted(set(s.tasks) | ({s.functions_from, s.functions_template} if s.functions_from else set()))
-    splits = {}
+    splits: dict[str, Any] = {}
     for t in tasks:
         m = data_dir / t / "manifest.json"
-        if not m.is_file():
-            raise FileNotFoundError(f"{m} does not exist; prepare task {t} first (`python -m pipeline stage=prepare task={t}`)")
-        splits[t] = read_json(m)["summary"]["split_hash"]
+        if m.is_file():
+            splits[t] = read_json(m)["summary"]["split_hash"]
+        else:  # split files written by hand (tests, custom data): hash them directly
+            files = sorted((data_dir / t).glob("*.jsonl"))
+            if not files:
+                raise FileNotFoundError(f"{data_dir / t} holds no prepared splits; prepare task {t} first "
+                                        f"(`python -m pipeline stage=prepare task={t}`)")
+            splits[t] = files_fingerprint(files)
     style = load_task_config(s.functions_template) if s.functions_from else None
     return {"settings": dataclasses.asdict(s), "splits": splits, "tokenizer": tokenizer_fingerprint(model_dir),
             "functions_style": None if style is None else [style.get("template"), style.get("system")]}
