@@ -95,14 +95,14 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     from pipeline.loaders import load_runtime, resolve_dtype
     from pipeline.stages import heads as heads_stage
     from pipeline.stages import model as model_stage
-    from pipeline.stages.evaluate import eval_rows
+    from pipeline.stages.prepare import split_rows
     from runtime.bank import TopologyBank
     from runtime.decoder import TreeDecoder
     from runtime.policy import Scheduler, policy_from_dict
     from runtime.tree import Tree, TreeBuffers
 
     n_new = int(cfg.evaluate.max_new_tokens)
-    rows = eval_rows(cfg)
+    rows = split_rows(cfg, "eval", int(cfg.profile.eval_prompts))
     model, hydra = load_runtime(cfg)
     from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 

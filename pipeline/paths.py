@@ -12,6 +12,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 
 
+def default_model_name() -> str:
+    """The name of the model that `conf/config.yaml` picks by default (for tools outside hydra)."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
+    choice = next(d["model"] for d in defaults if hasattr(d, "keys") and "model" in d)
+    return str(OmegaConf.load(CONF_DIR / "model" / f"{choice}.yaml").name)
+
+
 @dataclass(frozen=True)
 class Layout:
     artifacts: Path

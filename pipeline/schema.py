@@ -280,6 +280,12 @@ def field_problems(node: Any, prefix: str, schema: type | None = None) -> list[s
     typed by `schema`), recursively, each naming its dotted path."""
     schema = schema or type(node)
     out: list[str] = []
+    declared = {f.name for f in dataclasses.fields(schema)}
+    if hasattr(node, "keys") and not dataclasses.is_dataclass(node):  # a DictConfig: `+key=...` can add keys
+        for k in node.keys():
+            if k not in declared and not (prefix == "" and k == "hydra"):
+                path = f"{prefix}.{k}" if prefix else str(k)
+                out.append(f"{path} is not a setting of {schema.__name__}; known: {', '.join(sorted(declared))}")
     for f in dataclasses.fields(schema):
         try:
             v = getattr(node, f.name)

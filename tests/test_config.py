@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -31,8 +32,8 @@ BAD = {
     "budget < 1": (["profile.grow_budget=0"], ["profile.grow_budget=0", ">= 1"]),
     "depth > heads": (["grow.max_depth=5"], ["grow.max_depth=5", "heads.num_heads=4", "grow.max_depth<=4"]),
     "shard >= num_shards": (["rollout.shard=2", "rollout.num_shards=2"], ["rollout.shard=2", "[0, rollout.num_shards=2)"]),
-    "tau_off > tau_on": (["++policy.tau_on=0.1", "++policy.tau_off=0.5"], ["policy.tau_off=0.5 > policy.tau_on=0.1", "tau_off <= tau_on"]),
-    "ladder thresholds": (["policy=ladder", "++policy.thresholds=[0.5,0.3]"], ["policy.thresholds", "strictly increasing"]),
+    "tau_off > tau_on": (["policy.tau_on=0.1", "policy.tau_off=0.5"], ["policy.tau_off=0.5 > policy.tau_on=0.1", "tau_off <= tau_on"]),
+    "ladder thresholds": (["policy=ladder", "policy.thresholds=[0.5,0.3]"], ["policy.thresholds", "strictly increasing"]),
     "unknown policy name": (["policy.name=nope"], ["policy.name", "hysteresis", "ladder"]),
     "missing model folder": (["model=local", "model.path=/nope"], ["model.path=/nope", "not a folder", "Hugging Face"]),
     "model path not set": (["model=local"], ["model.path is required", "model.path=..."]),
@@ -41,7 +42,7 @@ BAD = {
     "unknown train task": (["heads.train.tasks=[humaneval,nope]"], ["heads.train.tasks", "'nope'", "conf/task"]),
     "task schema": (["task.overlong=drop"], ["task", "overlong", "'drop'"]),
     "bank members": (["bank.members=all"], ["bank.members='all'", "hull", "oracle"]),
-    "taus on a ladder": (["policy=ladder", "++policy.tau_on=0.5"], ["policy.tau_on", "only apply to the hysteresis"]),
+    "taus on a ladder": (["policy=ladder", "policy.tau_on=0.5"], ["policy.tau_on", "only apply to the hysteresis"]),
 }
 
 
@@ -181,3 +182,49 @@ def test_multirun_with_the_default_artifacts_dir(tmp_path: Path, smollm2_dir: Pa
     out = proc.stdout + proc.stderr
     assert "#0 : stage=model" in out and "#1 : stage=model" in out, out
     assert (tmp_path / "artifacts" / "logs" / "multirun").is_dir()
+
+
+# ------------------------------------------------------------------------------ typed schema
+@pytest.mark.parametrize("override,path", [("heads.train.lr=fast", "heads.train.lr"),
+                                           ("profile.calib_prompts=many", "profile.calib_prompts"),
+                                           ("grow.candidate_sizes=[1,x]", "grow.candidate_sizes"),
+                                           ("time.prune=maybe", "time.prune")])
+def test_a_wrong_type_fails_at_compose_naming_the_field(override: str, path: str, tmp_path: Path) -> None:
+    with pytest.raises(Exception) as e:
+        _compose([override], tmp_path)
+    assert path in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("path", ["heads.train.learning_rate", "model.weights", "grow.depth", "sampling.temp"])
+def test_an_unknown_key_fails_naming_the_field(path: str, tmp_path: Path) -> None:
+    """Refused by hydra while composing; forced in with `+key=` (hydra's explicit append), refused by
+    the start-up validation."""
+    with pytest.raises(Exception) as e:
+        _compose([f"{path}=1"], tmp_path)
+    assert path in str(e.value), str(e.value)
+    problems = config_problems(_compose([f"+{path}=1"], tmp_path))
+    assert any(p.startswith(f"{path} is not a setting") for p in problems), problems
+
+
+def test_an_unknown_key_in_a_yaml_file_fails_naming_the_field(tmp_path: Path) -> None:
+    """A group file with a key the schema does not declare (a typo) is refused, not ignored."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "profile" / "typo.yaml").write_text((CONF / "profile" / "cpu.yaml").read_text() + "calib_promts: 3\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"), pytest.raises(Exception) as e:
+        compose("config", overrides=["profile=typo"])
+    assert "profile.calib_promts" in str(e.value), str(e.value)
+
+
+def test_cfg_job_prints_the_whole_typed_config(tmp_path: Path) -> None:
+    """Every schema default shows up, including the ones no YAML file states (heads.train, sampling)."""
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "--cfg", "job"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["heads"]["train"]["max_prompts"] == 400 and printed["heads"]["train"]["lr"] == 1.5e-3
+    assert printed["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    assert printed["model"]["chat_template"] is None and printed["heads"]["dir"] is None
+    assert printed["grow"]["candidate_sizes"][0] == 0 and printed["bank"]["members"] == "oracle"

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_bytes
+from pipeline.paths import Layout, default_model_name
 
 REPORT_DIR = Path("artifacts") / "reports" / "benchmarks"
-DEFAULT_MODEL_DIR = Path("artifacts") / "models" / "smollm2-135m-instruct"
+# the converted folder of the config's default model
+DEFAULT_MODEL_DIR = Layout.for_model("artifacts", default_model_name()).model_dir
 TASKS = ("humaneval", "gsm8k", "sharegpt")
 
 

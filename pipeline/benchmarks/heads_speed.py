@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, machine_info
+from pipeline.paths import Layout, default_model_name
 from pipeline.prepare import read_split
 from runtime.decoder import TreeDecoder
 from runtime.generate import ar_generate
@@ -30,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "artifacts/models/smollm2-135m-instruct"))
-    ap.add_argument("--heads-root", default=str(ROOT / "artifacts/heads/smollm2-135m-instruct"))
+    default = Layout.for_model(ROOT / "artifacts", default_model_name())
+    ap.add_argument("--model", default=str(default.model_dir))
+    ap.add_argument("--heads-root", default=str(default.heads_dir("")), help="the folder holding one folder per heads kind")
     ap.add_argument("--data", default=str(ROOT / "data"))
     ap.add_argument("--tasks", nargs="+", default=["humaneval", "gsm8k", "sharegpt"])
     ap.add_argument("--prompts", type=int, default=3)

@@ -257,9 +257,10 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _heads_for(model: Transformer, model_dir: Path, heads_dir: str | None, seed: int) -> tuple[DraftHeads, str]:
+    from pipeline.paths import Layout
     from runtime.heads import HeadsConfig, load_heads
 
-    cands = [Path(heads_dir)] if heads_dir else [Path("artifacts/heads") / model_dir.name / n for n in ("hydra_pp", "hydra")]
+    cands = [Path(heads_dir)] if heads_dir else [Layout.for_model("artifacts", model_dir.name).heads_dir(n) for n in ("hydra_pp", "hydra")]
     for d in cands:
         if (d / "config.json").is_file():
             return load_heads(d, model=model), f"trained heads from {d}"

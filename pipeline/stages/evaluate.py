@@ -17,16 +17,12 @@ from pipeline.stages.prepare import rows_hash, split_rows
 READS = ("evaluate", "profile.eval_prompts", "sampling")
 
 
-def eval_rows(cfg: DictConfig) -> list[dict]:
-    return split_rows(cfg, "eval", int(cfg.profile.eval_prompts))
-
-
 @once_per_config
 def output(cfg: DictConfig) -> Path:
     from pipeline.evaluate import evaluate
 
     bank_dir = bank_stage.output(cfg)
-    key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(eval_rows(cfg)),
+    key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(split_rows(cfg, "eval", int(cfg.profile.eval_prompts))),
            "bank": output_digest(bank_dir)}
     return run_stage("evaluate", Layout.from_cfg(cfg).reports / "evaluate", key, lambda tmp: evaluate(cfg, tmp, bank_dir),
                      force=forced(cfg, "evaluate"))
