@@ -23,9 +23,9 @@ from tests.helpers import MODEL_NAME, REPO, TinyBundle
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _cfg(artifacts: Path, data: Path, bundle: TinyBundle):
+def _cfg(artifacts: Path, data: Path, bundle: TinyBundle, *extra: str):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=[
+        return compose("config", overrides=[*extra,
             "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
             f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
             "threads=1", "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",
@@ -70,3 +70,11 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
     graph.clear_memo()
     again = graph.run(cfg)
     assert again == bank_dir and (bank_dir / "manifest.json").read_text() == manifest_before
+
+    # the eval split's size is read by the evaluate stage only: every calibration stage stays up to date
+    work = artifacts / "rollouts" / MODEL_NAME / "hydra" / "humaneval" / "cpu"
+    stage_dirs = [work / "rollout", work / "grow", work / "recalibrate", work / "time", bank_dir]
+    before = {d: (d / "manifest.json").read_text() for d in stage_dirs}
+    graph.clear_memo()
+    assert graph.run(_cfg(artifacts, data, bundle, "profile.eval_prompts=1")) == bank_dir
+    assert {d: (d / "manifest.json").read_text() for d in stage_dirs} == before

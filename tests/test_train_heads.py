@@ -214,6 +214,12 @@ def test_stage_writes_loadable_heads_and_is_skipped_when_up_to_date(tiny_dir: Pa
     with caplog.at_level(logging.INFO, logger="pipeline"):
         assert train_heads(cfg, tiny_dir, data, tmp_path / "artifacts") == out
     assert any("up to date" in r.getMessage() for r in caplog.records)
+    # an eval split is not training data: adding one leaves the heads up to date
+    (data / "t1" / "eval.jsonl").write_text(json.dumps({"id": "t1/e", "prompt": "", "input_ids": [1, 2], "reference": None}) + "\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        assert train_heads(cfg, tiny_dir, data, tmp_path / "artifacts") == out
+    assert any("up to date" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     with pytest.raises(ValueError, match="unknown heads config keys"):
         train_heads({**cfg, "heads": 4}, tiny_dir, data, tmp_path / "artifacts")
     with pytest.raises(ValueError, match="unknown heads.train keys"):

@@ -61,7 +61,9 @@ def _mix_inputs(data_dir: Path, model_dir: Path, s: TrainSettings) -> dict[str, 
                                         f"(`python -m pipeline stage=prepare task={t}`)")
             splits[t] = files_fingerprint(files)
     style = load_task_config(s.functions_template) if s.functions_from else None
-    return {"settings": dataclasses.asdict(s), "splits": splits, "tokenizer": tokenizer_fingerprint(model_dir),
+    # the tokenizer renders the function prompts only; other rows hold their ids already
+    tokenizer = tokenizer_fingerprint(model_dir) if s.functions_from else None
+    return {"settings": dataclasses.asdict(s), "splits": splits, "tokenizer": tokenizer,
             "functions_style": None if style is None else [style.get("template"), style.get("system")]}
 
 
