@@ -1,6 +1,6 @@
 """Recalibrate stage: decode for real with each candidate tree and check the replay against it.
 
-Under greedy verification the replay from rank paths is exact (DESIGN.md §4): the real decoder
+Under greedy verification the replay from rank paths is exact (see `pipeline.replay`): the real decoder
 must emit the rollout's tokens, visit the same step indices and accept the same lengths. Any
 disagreement is listed with its cause; the only legitimate one is a floating-point tie flipping
 an argmax between the teacher-forced pass and the tree-shaped verify call.

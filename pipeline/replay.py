@@ -1,4 +1,4 @@
-"""Exact greedy replay of tree decoding from rank paths (DESIGN.md section 4).
+"""Exact greedy replay of tree decoding from rank paths (the rank-path convention below).
 
 Under greedy verification the decoded text is the AR continuation y_1..y_T whatever the tree, so
 a rollout's rank paths R [T, D] determine everything:
@@ -581,44 +581,3 @@ def oracle_replay(
     tokens = data.tokens
     tree_steps = np.bincount(np.concatenate(all_choices), minlength=data.n_trees)
     return OracleReplay(steps, tokens, tokens / steps, total, tokens / total, tree_steps, all_choices)
-
-
-# ----------------------------------------------------------------------------- synthetic data
-
-
-def synthetic_rollouts(
-    n_prompts: int = 4, length: int = 64, depth: int = 4, rank_cap: int = 8, seed: int = 0, switch: float = 0.1
-) -> list[dict]:
-    """Seeded fake rollouts for tests and benchmarks: a hidden easy/hard regime (Markov, switching
-    with probability `switch`) drives both the ranks (geometric, worse with depth) and the signals,
-    so confidence-driven policies have something to find. Follows the rank-path convention,
-    including K beyond the end of the continuation."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_prompts):
-        T = int(length)
-        easy = np.empty(T, dtype=bool)
-        state = bool(rng.random() < 0.5)
-        for t in range(T):
-            if rng.random() < switch:
-                state = not state
-            easy[t] = state
-        q_top = np.where(easy, 0.85, 0.35)  # probability that head 1's top-1 is right
-        q = q_top[:, None] * (0.93 ** np.arange(depth))[None, :]
-        ranks = rng.geometric(np.clip(q, 1e-3, 1.0)) - 1
-        ranks = np.minimum(ranks, rank_cap)
-        for d in range(depth):  # y_{i+2+d} exists only while i + 2 + d <= T
-            ranks[max(T - 1 - d, 0) :, d] = rank_cap
-        p0 = np.clip(q_top + rng.normal(0, 0.1, T), 0.01, 1.0)
-        head_top1 = np.clip(q + rng.normal(0, 0.1, (T, depth)), 0.01, 1.0)
-        entropy = np.clip(-np.log(p0) + rng.normal(0, 0.2, T), 0.0, None)
-        out.append(
-            {
-                "rank_paths": ranks.astype(np.int16),
-                "p0": p0.astype(np.float32),
-                "head_top1": head_top1.astype(np.float32),
-                "entropy": entropy.astype(np.float32),
-                "rank_cap": int(rank_cap),
-            }
-        )
-    return out

@@ -1,6 +1,6 @@
 """Rollout stage: greedy continuations of the calibration prompts and their rank paths.
 
-Greedy acceptance is a rank path (DESIGN.md §4): the decoded text does not depend on the tree,
+Greedy acceptance is a rank path (see `pipeline.replay`): the decoded text does not depend on the tree,
 so one AR greedy continuation y per prompt, one teacher-forced pass of the base model over
 prompt + y, and the heads run along y give, for every step index i, the rank path
 R[i, d-1] = rank of y_{i+1+d} in head d's distribution (capped at K). Every tree, policy and

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from runtime.bank import TopologyBank
@@ -226,3 +227,41 @@ def copy_bundle(bundle: TinyBundle, dst: Path) -> TinyBundle:
     shutil.copytree(bundle.root, dst)
     rel = lambda p: dst / p.relative_to(bundle.root)  # noqa: E731
     return TinyBundle(root=dst, model_dir=rel(bundle.model_dir), heads_dir=rel(bundle.heads_dir), bank_dir=rel(bundle.bank_dir))
+
+
+def synthetic_rollouts(
+    n_prompts: int = 4, length: int = 64, depth: int = 4, rank_cap: int = 8, seed: int = 0, switch: float = 0.1
+) -> list[dict]:
+    """Seeded fake rollouts for tests: a hidden easy/hard regime (Markov, switching
+    with probability `switch`) drives both the ranks (geometric, worse with depth) and the signals,
+    so confidence-driven policies have something to find. Follows the rank-path convention,
+    including K beyond the end of the continuation."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_prompts):
+        T = int(length)
+        easy = np.empty(T, dtype=bool)
+        state = bool(rng.random() < 0.5)
+        for t in range(T):
+            if rng.random() < switch:
+                state = not state
+            easy[t] = state
+        q_top = np.where(easy, 0.85, 0.35)  # probability that head 1's top-1 is right
+        q = q_top[:, None] * (0.93 ** np.arange(depth))[None, :]
+        ranks = rng.geometric(np.clip(q, 1e-3, 1.0)) - 1
+        ranks = np.minimum(ranks, rank_cap)
+        for d in range(depth):  # y_{i+2+d} exists only while i + 2 + d <= T
+            ranks[max(T - 1 - d, 0) :, d] = rank_cap
+        p0 = np.clip(q_top + rng.normal(0, 0.1, T), 0.01, 1.0)
+        head_top1 = np.clip(q + rng.normal(0, 0.1, (T, depth)), 0.01, 1.0)
+        entropy = np.clip(-np.log(p0) + rng.normal(0, 0.2, T), 0.0, None)
+        out.append(
+            {
+                "rank_paths": ranks.astype(np.int16),
+                "p0": p0.astype(np.float32),
+                "head_top1": head_top1.astype(np.float32),
+                "entropy": entropy.astype(np.float32),
+                "rank_cap": int(rank_cap),
+            }
+        )
+    return out

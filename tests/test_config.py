@@ -89,7 +89,7 @@ def test_each_bad_setting_alone_is_caught(case: str, tmp_path: Path) -> None:
 def test_fixed_policy_values_are_used_by_the_fitter() -> None:
     """The config's fixed tau_on/tau_off (thresholds) reach the bank: only the trees are fitted."""
     from pipeline.fit_policy import fit_all_policies
-    from pipeline.replay import synthetic_rollouts
+    from tests.helpers import synthetic_rollouts
 
     rolls = synthetic_rollouts(4, 64, 3, rank_cap=6, seed=1)
     trees = [[(0,)], [(0,), (0, 0), (1,)], [(0,), (0, 0), (0, 0, 0), (1,), (0, 1)]]

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from pipeline.fit_policy import PAPER_TAUS, fit_all_policies, fit_policies
 from pipeline.grow import grow
-from pipeline.replay import BankReplay, oracle_replay, replay_policy, synthetic_rollouts
+from pipeline.replay import BankReplay, oracle_replay, replay_policy
+from tests.helpers import synthetic_rollouts
 from runtime.policy import (
     AcceptEMA,
     EntropyEMA,

@@ -18,9 +18,9 @@ from pipeline.replay import (
     replay_tokens_per_step,
     replay_tree,
     step_tokens,
-    synthetic_rollouts,
     walk,
 )
+from tests.helpers import synthetic_rollouts
 from runtime.policy import (
     ExpectedThroughputPolicy,
     HysteresisPolicy,

@@ -45,4 +45,4 @@ def test_runtime_imports_no_pipeline_dependencies() -> None:
     roots = imported_roots(RUNTIME_MODULES)
     assert "runtime" in roots and "torch" in roots  # the probe really imported the runtime
     leaked = sorted(roots & set(FORBIDDEN))
-    assert not leaked, f"importing the runtime also imported {leaked}: runtime must stay slim (see DESIGN.md §2)"
+    assert not leaked, f"importing the runtime also imported {leaked}: runtime must stay slim"

@@ -2,7 +2,7 @@
 
 Shared helpers: real prompts from the packaged task datasets (rendered by the prepare stage's
 code), atomic CSV writing. Throughput is always reported as ratios measured side by side
-in one run, with the machine recorded (see DESIGN.md section 6).
+in one run, with the machine recorded.
 """
 
 from __future__ import annotations
