@@ -35,8 +35,6 @@ def policy_settings(cfg: DictConfig) -> dict[str, Any]:
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.bank import build_bank
-
     lay = Layout.from_cfg(cfg)
     time_dir, recal_dir = time_stage.output(cfg), recalibrate_stage.output(cfg)
     grow_dir, rollout_dir = grow_stage.output(cfg), merge_stage.output(cfg)
@@ -46,6 +44,8 @@ def output(cfg: DictConfig) -> Path:
            "rollout": output_digest(rollout_dir)}
 
     def build(tmp: Path) -> dict[str, Any]:
+        from pipeline.bank import build_bank  # matplotlib: only when the bank is (re)built
+
         rk = runtime_key(cfg)
         return build_bank(
             tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),

@@ -19,10 +19,13 @@ READS = ("evaluate", "profile.eval_prompts", "sampling")
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.evaluate import evaluate
-
     bank_dir = bank_stage.output(cfg)
     key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(split_rows(cfg, "eval", int(cfg.profile.eval_prompts))),
            "bank": output_digest(bank_dir)}
-    return run_stage("evaluate", Layout.from_cfg(cfg).reports / "evaluate", key, lambda tmp: evaluate(cfg, tmp, bank_dir),
-                     force=forced(cfg, "evaluate"))
+
+    def build(tmp: Path) -> dict:
+        from pipeline.evaluate import evaluate  # pandas, transformers: only when evaluating
+
+        return evaluate(cfg, tmp, bank_dir)
+
+    return run_stage("evaluate", Layout.from_cfg(cfg).reports / "evaluate", key, build, force=forced(cfg, "evaluate"))
