@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import gzip
 import json
 import os
@@ -355,15 +356,16 @@ def test_rendering_uses_the_models_chat_template(smollm2_dir, task_cfgs, loaded,
 # stage bookkeeping
 
 
-def test_prepare_twice_skips_the_second_time(tmp_path, tiny_tok_dir, capsys):
+def test_prepare_twice_skips_the_second_time(tmp_path, tiny_tok_dir, caplog):
     cfg = _small_task(tmp_path, _clean_lines(10))
     data = tmp_path / "data"
     out = prepare_task(cfg, {"max_prompt_tokens": 256}, tiny_tok_dir, data)
     first = (out / "manifest.json").read_text()
     stamp = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    capsys.readouterr()
-    assert prepare_task(cfg, {"max_prompt_tokens": 256}, tiny_tok_dir, data) == out
-    assert "up to date" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        assert prepare_task(cfg, {"max_prompt_tokens": 256}, tiny_tok_dir, data) == out
+    assert any("up to date" in r.getMessage() for r in caplog.records)
     assert (out / "manifest.json").read_text() == first
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamp
     # what the output depends on: the profile's prompt limit, the task config, force
