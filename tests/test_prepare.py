@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import gzip
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -369,12 +369,18 @@ def test_prepare_twice_skips_the_second_time(tmp_path, tiny_tok_dir, caplog):
     assert (out / "manifest.json").read_text() == first
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamp
     # what the output depends on: the profile's prompt limit, the task config, force
-    prepare_task(cfg, {"max_prompt_tokens": 300}, tiny_tok_dir, data)
-    assert "wrote" in capsys.readouterr().out
-    prepare_task({**cfg, "seed": 3}, {"max_prompt_tokens": 300}, tiny_tok_dir, data)
-    assert "wrote" in capsys.readouterr().out
-    prepare_task({**cfg, "seed": 3}, {"max_prompt_tokens": 300}, tiny_tok_dir, data, force=True)
-    assert "wrote" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        prepare_task(cfg, {"max_prompt_tokens": 300}, tiny_tok_dir, data)
+    assert any("wrote" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        prepare_task({**cfg, "seed": 3}, {"max_prompt_tokens": 300}, tiny_tok_dir, data)
+    assert any("wrote" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        prepare_task({**cfg, "seed": 3}, {"max_prompt_tokens": 300}, tiny_tok_dir, data, force=True)
+    assert any("wrote" in r.getMessage() for r in caplog.records)
 
 
 def test_read_split_errors(prepared_tiny):
