@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
 
 import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
 from pipeline.graph import run
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
             cfg = compose("config", overrides=["stage=heads", f"heads={name}", *overrides], return_hydra_config=True)
             cfg.hydra.runtime.cwd = os.getcwd()  # what hydra.main sets; the default paths hang off it
             HydraConfig.instance().set_config(cfg)
+            with open_dict(cfg):  # the job sees the config without hydra's own node, as under hydra.main
+                del cfg["hydra"]
             print(Path(run(cfg)))
 
 
