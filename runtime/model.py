@@ -376,7 +376,8 @@ class Transformer(nn.Module):
     def keep_cache(self, start: int, keep: Tensor) -> None:
         """After a tree verify: move slots `start + keep[i]` to `start + i` for every layer in one
         gather, then set cache_len = start + len(keep). `keep` must be increasing offsets (a path
-        root..leaf in node order), which is what makes the moves safe to do in place."""
+        root..leaf in node order). Checks the offsets' values, which reads them on the host; the
+        decoder's step uses `compact_cache`, whose indices come checked with the compiled tree."""
         if keep.dim() != 1 or keep.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"keep must be a 1-D integer tensor, got shape {tuple(keep.shape)} dtype {keep.dtype}")
         if not 0 <= start <= self._cache_len:
@@ -388,20 +389,35 @@ class Transformer(nn.Module):
             lo, hi = int(keep.min()), int(keep.max())
             if lo < 0 or hi >= avail:
                 raise ValueError(f"keep offsets must lie in [0, {avail}); got min {lo} max {hi}")
-            src = keep.to(device=self.kv_cache.device, dtype=torch.int64) + start
-            self.kv_cache[:, :, :, start:start + m] = self.kv_cache.index_select(3, src)
+            self.compact_cache(start, keep.to(device=self.kv_cache.device, dtype=torch.int64))
+        self._cache_len = start + m
+
+    def compact_cache(self, start: int, offsets: Tensor) -> None:
+        """Copy slots `start + offsets[i]` to `start + i` (all layers, one gather) and set cache_len
+        = start + len(offsets). `offsets` is an int64 tensor on the cache's device whose values are
+        trusted (they are not read on the host, so that this never waits for the device): each must
+        lie in [0, cache_len - start). The copy goes through a gathered temporary, so any order of
+        offsets is safe. Shorten afterwards with `truncate_cache` when only a prefix is kept."""
+        m, avail = offsets.numel(), self._cache_len - start
+        if offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.device != self.kv_cache.device:
+            raise ValueError(f"offsets must be a 1-D int64 tensor on {self.kv_cache.device}, got "
+                             f"{tuple(offsets.shape)} {offsets.dtype} on {offsets.device}")
+        if not 0 <= start <= self._cache_len or m > avail:
+            raise ValueError(f"cannot compact {m} slots after start {start}: the cache holds {self._cache_len}")
+        if m:
+            self.kv_cache[:, :, :, start:start + m] = self.kv_cache.index_select(3, offsets + start)
         self._cache_len = start + m
 
     # -- forward ----------------------------------------------------------------------------
 
-    def _attention_mask(self, mask: Tensor | None, start: int, n: int) -> Tensor | None:
+    def _attention_mask(self, mask: Tensor | None, start: int, n: int, check: bool) -> Tensor | None:
         """Boolean mask [groups*n, start+n] for SDPA (True = may attend), or None for one token
         that sees everything. Built once per call and shared by all layers."""
         if mask is not None:
             if mask.shape != (n, n) or mask.dtype != torch.bool:
                 raise ValueError(f"mask must be a bool tensor of shape ({n}, {n}), got {tuple(mask.shape)} "
                                  f"{mask.dtype}")
-            if not bool(mask.diagonal().all()):
+            if check and not bool(mask.diagonal().all()):
                 raise ValueError("mask must let every new token attend to itself (its diagonal must be True)")
         if n == 1:
             return None
@@ -414,10 +430,12 @@ class Transformer(nn.Module):
         return full.repeat(groups, 1) if groups > 1 else full
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
-                last_only: bool = False) -> tuple[Tensor, Tensor]:
+                last_only: bool = False, check_mask: bool = True) -> tuple[Tensor, Tensor]:
         """Run n new tokens. tokens [1, n] (int64), input_pos [n] absolute RoPE positions, mask
         [n, n] bool over the new tokens (None = causal). Appends their K/V after the committed
-        cache and advances cache_len by n.
+        cache and advances cache_len by n. check_mask=False skips the check that the mask's
+        diagonal is set, which reads it on the host: for masks checked once already (a compiled
+        tree's, see `runtime.tree.TreeBuffers`).
 
         Returns (logits [1, n, V] float32, hidden [1, n, dim]) where hidden is the final-normed
         state the lm_head reads. With last_only=True the logits are for the last token only
@@ -434,7 +452,7 @@ class Transformer(nn.Module):
         if start + n > self.max_seq_len:
             raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
                              "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
-        attn_mask = self._attention_mask(mask, start, n)
+        attn_mask = self._attention_mask(mask, start, n, check_mask)
         cos = self.rope_cos[input_pos].unsqueeze(1)
         sin = self.rope_sin[input_pos].unsqueeze(1)
 

@@ -6,7 +6,8 @@ A tree-decoding step is: draft (the heads propose the tree's tokens), verify (on
 forward over the tree's nodes), and the rest (accept the longest agreeing path, compact the KV
 cache, feed the accepted positions to the heads, hand the tokens to the caller, Python). The rest
 buys nothing, so it should be a small share of a one-token forward. For every tree size this
-prints the medians of: the whole step (`StepRecord.seconds` of real greedy decodes with that tree),
+prints the medians of: the whole step (the time between consecutive streamed steps of real greedy
+decodes with that tree),
 one `heads.propose` call, one verify forward with the tree's mask, one one-token forward, and
 rest = step - draft - verify, also as a percentage of the one-token forward.
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +50,8 @@ def prefix_tree(num_nodes: int) -> Tree:
 
 
 @torch.inference_mode()
-def _time_parts(model: Transformer, heads: DraftHeads, context: list[int], buf: TreeBuffers, reps: int
-                ) -> tuple[list[float], list[float], list[float]]:
+def _time_parts(model: Transformer, heads: DraftHeads, context: list[int], buf: TreeBuffers, reps: int,
+                now: Callable[[], float]) -> tuple[list[float], list[float], list[float]]:
     """(draft, verify, one-token forward) seconds, `reps` of each, at the cache state after `context`."""
     dev = model.device
     model.reset_cache()
@@ -62,14 +65,14 @@ def _time_parts(model: Transformer, heads: DraftHeads, context: list[int], buf: 
     one_pos = torch.tensor([start], device=dev)
     draft, verify, single = [], [], []
     for _ in range(reps + 1):  # the first round warms up
-        t0 = clock(dev)
+        t0 = now()
         tokens = heads.propose(h, root, buf)
-        t1 = clock(dev)
+        t1 = now()
         model(tokens[None], start + buf.depths, buf.attn_mask)
-        t2 = clock(dev)
+        t2 = now()
         model.truncate_cache(start)
         model(one_tok, one_pos)
-        t3 = clock(dev)
+        t3 = now()
         model.truncate_cache(start)
         draft.append(t1 - t0)
         verify.append(t2 - t1)
@@ -78,8 +81,10 @@ def _time_parts(model: Transformer, heads: DraftHeads, context: list[int], buf: 
 
 
 def measure(model: Transformer, heads: DraftHeads, prompt: list[int], sizes: list[int], rounds: int,
-            new_tokens: int, reps: int) -> list[dict[str, Any]]:
+            new_tokens: int, reps: int, cpu_clock: bool = False) -> list[dict[str, Any]]:
     """One row per tree size with the medians (ms) described in the module docstring."""
+    dev = model.device
+    now = time.thread_time if cpu_clock else (lambda: clock(dev))
     buffers = {n: TreeBuffers.compile(prefix_tree(n)) for n in sizes}
     decoders = {n: TreeDecoder(model, heads, [b]) for n, b in buffers.items()}
     reference = ar_generate(model, prompt, new_tokens, eos_ids=())
@@ -90,9 +95,10 @@ def measure(model: Transformer, heads: DraftHeads, prompt: list[int], sizes: lis
         decoders[n].generate(prompt, 8, choose=0, eos_ids=())
     for _ in range(rounds):
         for n in sizes:
-            res = decoders[n].generate(prompt, new_tokens, choose=0, eos_ids=())
-            steps[n].extend(s.seconds for s in res.steps[WARMUP_STEPS:])
-            for acc, got in zip(parts[n], _time_parts(model, heads, context, buffers[n], reps)):
+            marks: list[float] = []  # after the prefill, then after every step
+            decoders[n].generate(prompt, new_tokens, choose=0, eos_ids=(), stream=lambda _t: marks.append(now()))
+            steps[n].extend(b - a for a, b in list(zip(marks, marks[1:]))[WARMUP_STEPS:])
+            for acc, got in zip(parts[n], _time_parts(model, heads, context, buffers[n], reps, now)):
                 acc.extend(got)
     rows = []
     for n in sizes:
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per timed decode")
     p.add_argument("--reps", type=int, default=5, help="draft/verify repeats per tree per round")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every CPU)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall clock or this thread's CPU time")
     p.add_argument("--task", default="humaneval", help="task whose first prompt is decoded")
     p.add_argument("--out", default=str(REPORT_DIR))
     a = p.parse_args(argv)
@@ -125,9 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     heads = load_heads(a.heads, model=model)
     prompt = task_prompts(a.model, [a.task], 1)[0][1]
-    rows = measure(model, heads, prompt, sorted(set(a.sizes)), a.rounds, a.new_tokens, a.reps)
+    rows = measure(model, heads, prompt, sorted(set(a.sizes)), a.rounds, a.new_tokens, a.reps, a.clock == "cpu")
     cols = list(rows[0])
-    print(f"step overhead, {a.dtype} on {a.device}, {torch.get_num_threads()} threads, prompt {len(prompt)} tokens")
+    print(f"step overhead, {a.dtype} on {a.device}, {torch.get_num_threads()} threads, {a.clock} clock, prompt {len(prompt)} tokens")
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))
