@@ -545,8 +545,11 @@ def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
         raise ValueError(f"{path}: {e}") from e
 
 
-def load_state_strict(module: nn.Module, state: dict[str, Tensor], where: str) -> None:
-    """load_state_dict that names every missing / unexpected key and every shape mismatch."""
+def load_state_strict(module: nn.Module, state: dict[str, Tensor], where: str, assign: bool = False) -> None:
+    """load_state_dict that names every missing / unexpected key and every shape mismatch.
+
+    assign=True hands the given tensors to the module as they are (their dtype and device; for a
+    module built on the `meta` device, which has no storage to copy into)."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -562,7 +565,24 @@ def load_state_strict(module: nn.Module, state: dict[str, Tensor], where: str) -
             problems.append(f"{k}: dtype {state[k].dtype}, expected a {'float' if expected[k].is_floating_point() else 'integer'} tensor")
     if problems:
         raise ValueError(f"{where} does not match the heads config: " + "; ".join(problems))
-    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    if assign:
+        module.load_state_dict(state, strict=True, assign=True)
+    else:
+        module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+
+
+def build_heads(config: HeadsConfig, state: dict[str, Tensor], where: str, dtype: torch.dtype,
+                device: torch.device | str) -> DraftHeads:
+    """DraftHeads built on the `meta` device (no memory, no random init) that take `state`'s
+    tensors, each cast to `dtype` (floating ones) and placed on `device` as it goes."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        heads = DraftHeads(config)
+    expected = heads.state_dict()
+    placed = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else expected[k].dtype
+                      if k in expected else v.dtype) for k, v in state.items()}
+    load_state_strict(heads, placed, where, assign=True)
+    return heads
 
 
 def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torch.dtype | None = None,
@@ -584,15 +604,8 @@ def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torc
     bad = sorted(k for k, v in state.items() if v.is_floating_point() and v.dtype != _DTYPES[stored])
     if bad:
         raise ValueError(f"{wfile}: tensors {bad[:5]} are not {stored} as config.json says; the files do not belong together")
-    with torch.device("meta"):
-        heads = DraftHeads(config)
-    heads.to_empty(device="cpu")
-    heads.to(_DTYPES[stored])
-    load_state_strict(heads, state, str(wfile))
-    target = dtype or (model.dtype if model is not None else None)
-    if target is not None:
-        heads.to(target)
+    target = dtype or (model.dtype if model is not None else _DTYPES[stored])
+    heads = build_heads(config, state, str(wfile), target, model.device if model is not None else "cpu")
     if model is not None:
-        heads.to(model.device)
         heads.bind(model)
     return heads.eval().requires_grad_(False)
