@@ -27,8 +27,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import sys
+from pathlib import Path
+
 import torch
 from torch.overrides import TorchFunctionMode
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 
 _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.as_tensor,
               torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.linspace, torch.logspace,
@@ -84,6 +89,7 @@ class DeviceCheck(TorchFunctionMode):
         return device.type == exp.type and (exp.index is None or device.index in (None, exp.index))
 
     def _flag(self, message: str) -> None:
+        message = f"{message} [at {_caller()}]"
         if self.strict:
             raise DeviceCheckError(message)
         self.violations.append(message)
@@ -119,3 +125,14 @@ def _asks_for_cpu(args: tuple, kwargs: dict) -> bool:
     """Whether a `.to(...)` call names the CPU as its target."""
     targets = list(args[1:]) + [kwargs.get("device")]
     return any(isinstance(x, (str, torch.device)) and torch.device(x).type == "cpu" for x in targets if x is not None)
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside torch and this module (the line to fix)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != __file__ and not name.startswith(_TORCH_DIR):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"

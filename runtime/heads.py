@@ -194,7 +194,7 @@ class PrefixLayer(nn.Module):
         # same float32 recipe as runtime.model.rope_tables, computed for just these positions
         device = self.norm.weight.device
         if self._inv_freq is None or self._inv_freq.device != device:
-            self._inv_freq = rope_inv_freq(self.args).to(device)
+            self._inv_freq = rope_inv_freq(self.args, device)
         freqs = torch.outer(input_pos.to(device, torch.float32), self._inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)

@@ -155,10 +155,10 @@ def _read_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 # RoPE
 
 
-def rope_inv_freq(args: ModelArgs) -> Tensor:
-    """Per-pair inverse frequencies (float32, [head_dim/2]) with the checkpoint's scaling applied."""
+def rope_inv_freq(args: ModelArgs, device: torch.device | str = "cpu") -> Tensor:
+    """Per-pair inverse frequencies (float32, [head_dim/2], on `device`) with the checkpoint's scaling applied."""
     hd = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
     scaling = args.rope_scaling
     if scaling is None:
         return inv_freq
@@ -178,9 +178,9 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
 
 def rope_tables(args: ModelArgs, max_len: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """cos and sin tables [max_len, head_dim] in float32 (each frequency repeated for both halves)."""
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(args))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), rope_inv_freq(args, device))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    return emb.cos(), emb.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
