@@ -6,15 +6,19 @@ A tree-decoding step is: draft (the heads propose the tree's tokens), verify (on
 forward over the tree's nodes), and the rest (accept the longest agreeing path, compact the KV
 cache, feed the accepted positions to the heads, hand the tokens to the caller, Python). The rest
 buys nothing, so it should be a small share of a one-token forward. For every tree size this
-prints the medians of: the whole step (the time between consecutive streamed steps of real greedy
-decodes with that tree),
-one `heads.propose` call, one verify forward with the tree's mask, one one-token forward, and
-rest = step - draft - verify, also as a percentage of the one-token forward.
+prints medians over the steps of real greedy decodes with that tree of: the whole step (time
+between consecutive streamed steps), its draft (its `heads.propose` call), its verify (its
+base-model forward) and rest = step - draft - verify of the same step; and the rest as a
+percentage of a one-token forward (median of separate one-token forwards at the context length
+the decodes reach halfway).
 
 Trees of n nodes are the first n-1 paths of Medusa's `mc_sim_7b_63` list (ordered by its authors
-by expected gain, so every prefix is a valid tree). Draft and verify are timed at the context
-length the decodes reach halfway. Rounds interleave all trees, so that the load of a shared
-machine hits them alike. Writes artifacts/reports/benchmarks/step_overhead.{csv,json}.
+by expected gain, so every prefix is a valid tree). Rounds interleave all trees, so that the load
+of a shared machine hits them alike. `--clock cpu` reads this thread's CPU time instead of the
+wall clock: with `--threads 1` that counts only this process's work, so the figures hold on a
+machine other processes keep busy. With the wall clock on a GPU, the timing wrappers synchronise
+around draft and verify (the decoder itself does not). Writes
+artifacts/reports/benchmarks/step_overhead.{csv,json}.
 """
 
 from __future__ import annotations
@@ -50,34 +54,55 @@ def prefix_tree(num_nodes: int) -> Tree:
 
 
 @torch.inference_mode()
-def _time_parts(model: Transformer, heads: DraftHeads, context: list[int], buf: TreeBuffers, reps: int,
-                now: Callable[[], float]) -> tuple[list[float], list[float], list[float]]:
-    """(draft, verify, one-token forward) seconds, `reps` of each, at the cache state after `context`."""
+def _one_token_forward(model: Transformer, context: list[int], reps: int, now: Callable[[], float]) -> list[float]:
+    """Seconds of `reps` one-token forwards after `context` (the cost of one AR token)."""
     dev = model.device
     model.reset_cache()
-    heads.reset()
     pos = torch.arange(len(context), device=dev)
-    logits, hidden = model(torch.tensor([context], device=dev), pos, last_only=True)
-    h = heads.observe(hidden, pos)
-    root = int(logits[0, -1].argmax())
+    logits, _ = model(torch.tensor([context], device=dev), pos, last_only=True)
     start = model.cache_len
-    one_tok = torch.tensor([[root]], device=dev)
+    token = logits[0, -1].argmax().reshape(1, 1)
     one_pos = torch.tensor([start], device=dev)
-    draft, verify, single = [], [], []
-    for _ in range(reps + 1):  # the first round warms up
+    times = []
+    for _ in range(reps + 1):  # the first call warms up
         t0 = now()
-        tokens = heads.propose(h, root, buf)
-        t1 = now()
-        model(tokens[None], start + buf.depths, buf.attn_mask)
-        t2 = now()
+        model(token, one_pos)
+        times.append(now() - t0)
         model.truncate_cache(start)
-        model(one_tok, one_pos)
-        t3 = now()
-        model.truncate_cache(start)
-        draft.append(t1 - t0)
-        verify.append(t2 - t1)
-        single.append(t3 - t2)
-    return draft[1:], verify[1:], single[1:]
+    model.reset_cache()
+    return times[1:]
+
+
+class _StepClock:
+    """Times, inside real decodes, each step and the two calls every step makes once: the heads'
+    `propose` (draft) and the base model's forward (verify). The wrappers are instance attributes
+    over the bound methods, removed by `close`; the prefill's forward falls before the first mark."""
+
+    def __init__(self, model: Transformer, heads: DraftHeads, now: Callable[[], float]) -> None:
+        self.model, self.heads, self.now = model, heads, now
+        self.spent = {"draft": 0.0, "verify": 0.0}
+        self.marks: list[tuple[float, float, float]] = []
+        heads.propose = self._timed(heads.propose, "draft")
+        model.forward = self._timed(model.forward, "verify")
+
+    def _timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = self.now()
+            out = fn(*args, **kwargs)
+            self.spent[key] += self.now() - t0
+            return out
+        return run
+
+    def mark(self, _tokens: list[int]) -> None:
+        """The decoder's stream callback: called after the prefill and after every step."""
+        self.marks.append((self.now(), self.spent["draft"], self.spent["verify"]))
+
+    def steps(self) -> list[tuple[float, float, float]]:
+        """(step, draft, verify) seconds of every step."""
+        return [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
+
+    def close(self) -> None:
+        del self.heads.propose, self.model.forward
 
 
 def measure(model: Transformer, heads: DraftHeads, prompt: list[int], sizes: list[int], rounds: int,
@@ -85,28 +110,30 @@ def measure(model: Transformer, heads: DraftHeads, prompt: list[int], sizes: lis
     """One row per tree size with the medians (ms) described in the module docstring."""
     dev = model.device
     now = time.thread_time if cpu_clock else (lambda: clock(dev))
-    buffers = {n: TreeBuffers.compile(prefix_tree(n)) for n in sizes}
-    decoders = {n: TreeDecoder(model, heads, [b]) for n, b in buffers.items()}
+    decoders = {n: TreeDecoder(model, heads, [TreeBuffers.compile(prefix_tree(n))]) for n in sizes}
     reference = ar_generate(model, prompt, new_tokens, eos_ids=())
     context = prompt + reference[: new_tokens // 2]
-    steps: dict[int, list[float]] = {n: [] for n in sizes}
-    parts: dict[int, tuple[list[float], list[float], list[float]]] = {n: ([], [], []) for n in sizes}
+    parts: dict[int, list[tuple[float, float, float]]] = {n: [] for n in sizes}
+    one_token: list[float] = []
     for n in sizes:  # warm-up
         decoders[n].generate(prompt, 8, choose=0, eos_ids=())
     for _ in range(rounds):
         for n in sizes:
-            marks: list[float] = []  # after the prefill, then after every step
-            decoders[n].generate(prompt, new_tokens, choose=0, eos_ids=(), stream=lambda _t: marks.append(now()))
-            steps[n].extend(b - a for a, b in list(zip(marks, marks[1:]))[WARMUP_STEPS:])
-            for acc, got in zip(parts[n], _time_parts(model, heads, context, buffers[n], reps, now)):
-                acc.extend(got)
+            timer = _StepClock(model, heads, now)
+            try:
+                decoders[n].generate(prompt, new_tokens, choose=0, eos_ids=(), stream=timer.mark)
+            finally:
+                timer.close()
+            parts[n].extend(timer.steps()[WARMUP_STEPS:])
+        one_token.extend(_one_token_forward(model, context, reps, now))
+    one = 1e3 * median(one_token)
     rows = []
     for n in sizes:
-        step, draft, verify, one = (1e3 * median(x) for x in (steps[n], *parts[n]))
-        rest = step - draft - verify
+        step, draft, verify = (1e3 * median([p[i] for p in parts[n]]) for i in range(3))
+        rest = 1e3 * median([p[0] - p[1] - p[2] for p in parts[n]])
         rows.append({"nodes": n, "step_ms": round(step, 3), "draft_ms": round(draft, 3), "verify_ms": round(verify, 3),
                      "rest_ms": round(rest, 3), "one_token_forward_ms": round(one, 3),
-                     "rest_pct_of_forward": round(100 * rest / one, 2), "steps_timed": len(steps[n])})
+                     "rest_pct_of_forward": round(100 * rest / one, 2), "steps_timed": len(parts[n])})
     model.reset_cache()
     heads.reset()
     return rows
@@ -121,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 5, 9, 17, 33])
     p.add_argument("--rounds", type=int, default=6, help="decodes per tree (interleaved)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per timed decode")
-    p.add_argument("--reps", type=int, default=5, help="draft/verify repeats per tree per round")
+    p.add_argument("--reps", type=int, default=5, help="one-token forwards per round")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: every CPU)")
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall clock or this thread's CPU time")
     p.add_argument("--task", default="humaneval", help="task whose first prompt is decoded")
