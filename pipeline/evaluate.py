@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+from runtime.device import clock
 
 Decode = Callable[[list[int], int], dict[str, Any]]
 
@@ -43,29 +44,31 @@ def _ar_method(model) -> Decode:
     from runtime.generate import ar_generate
 
     def run(ids: list[int], n: int) -> dict[str, Any]:
+        # each streamed token has been read on the host, so these clock reads follow a synchronisation
         marks: list[float] = []
-        t0 = time.perf_counter()
+        t0 = clock(model.device)
         toks = ar_generate(model, ids, n, stream=lambda _tok: marks.append(time.perf_counter()))
-        t1 = time.perf_counter()
+        t1 = clock(model.device)
         pre = marks[0] - t0 if marks else t1 - t0
         return {"tokens": toks, "prefill_s": pre, "decode_s": t1 - t0 - pre, "steps": max(len(toks) - 1, 0)}
     return run
 
 
-def _hf_method(model_dir: Path) -> Decode:
+def _hf_method(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Decode:
+    """transformers' own greedy generate on the same device and dtype as our runtime's model."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
     @torch.inference_mode()
     def run(ids: list[int], n: int) -> dict[str, Any]:
-        x = torch.tensor([ids])
-        t0 = time.perf_counter()
+        x = torch.tensor([ids], device=device)
+        t0 = clock(device)
         hf(x)  # prefill alone, to split prefill from decode time
-        pre = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        pre = clock(device) - t0
+        t0 = clock(device)
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=hf.config.eos_token_id)
-        total = time.perf_counter() - t0
+        total = clock(device) - t0
         toks = out[0, len(ids):].tolist()
         eos = hf.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
@@ -82,11 +85,12 @@ def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
     """Mean negative log-likelihood (nats) of `cont` after `prompt` under the base model."""
     if not cont:
         return float("nan")
-    seq = torch.tensor([prompt + cont[:-1]])
+    dev = model.device
+    seq = torch.tensor([prompt + cont[:-1]], device=dev)
     model.reset_cache()
-    logits, _ = model(seq, torch.arange(seq.shape[1]))
+    logits, _ = model(seq, torch.arange(seq.shape[1], device=dev))
     logp = torch.log_softmax(logits[0, len(prompt) - 1:].float(), -1)
-    return float(-logp.gather(-1, torch.tensor(cont)[:, None]).mean())
+    return float(-logp.gather(-1, torch.tensor(cont, device=dev)[:, None]).mean())
 
 
 def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
@@ -99,7 +103,9 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     from runtime.bank import TopologyBank
     from runtime.decoder import TreeDecoder
     from runtime.policy import Scheduler, policy_from_dict
+    from runtime.heads import load_heads
     from runtime.tree import Tree, TreeBuffers
+    from pipeline.paths import Layout
 
     n_new = int(cfg.evaluate.max_new_tokens)
     rows = split_rows(cfg, "eval", int(cfg.profile.eval_prompts))
@@ -112,9 +118,10 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
 
     methods: dict[str, Decode] = {"AR": _ar_method(model)}
     if cfg.evaluate.hf_generate:
-        methods["HF generate"] = _hf_method(model_stage.output(cfg))
+        methods["HF generate"] = _hf_method(model_stage.output(cfg), model.device, model.dtype)
     try:
-        _, medusa = load_runtime(cfg, heads_name="medusa")
+        # bound to the base model loaded above: one copy of its weights serves every method
+        medusa = load_heads(Layout.from_cfg(cfg).heads_dir("medusa"), model=model)
         methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc]), 0)
     except FileNotFoundError as e:
         log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")

@@ -43,21 +43,23 @@ def rollout_prompt(
     """
     y = ar_generate(model, list(input_ids), max_new_tokens)
     P, T, D = len(input_ids), len(y), heads.config.num_heads
-    seq = torch.tensor([list(input_ids) + y[:-1]], dtype=torch.long)  # y_T needs no successor
+    dev = model.device  # every tensor is made where the model computes
+    seq = torch.tensor([list(input_ids) + y[:-1]], dtype=torch.long, device=dev)  # y_T needs no successor
+    seq_pos = torch.arange(seq.shape[1], device=dev)
     model.reset_cache()
     heads.reset()
-    logits, hidden = model(seq, torch.arange(seq.shape[1]))
-    ctx = heads.context(hidden, torch.arange(seq.shape[1]))[P - 1:]     # [T, dim]
+    logits, hidden = model(seq, seq_pos)
+    ctx = heads.context(hidden, seq_pos)[P - 1:]                         # [T, dim]
     base = logits[0, P - 1:].float()                                     # [T, V] gives y_1..y_T
-    y_t = torch.tensor(y, dtype=torch.long)
+    y_t = torch.tensor(y, dtype=torch.long, device=dev)
     logp = torch.log_softmax(base, -1)
     p0 = logp.max(-1).values.exp()
     entropy = -(logp.exp() * logp).sum(-1)
     tf_mismatch = base.argmax(-1) != y_t
 
     # next_true[i, d] = y_{i+1+d} (d = 0..D): the root and the targets of heads 1..D; -1 past T
-    padded = torch.cat([y_t, torch.full((D,), -1, dtype=torch.long)])
-    idx = torch.arange(T)[:, None] + torch.arange(D + 1)[None, :]
+    padded = torch.cat([y_t, torch.full((D,), -1, dtype=torch.long, device=dev)])
+    idx = torch.arange(T, device=dev)[:, None] + torch.arange(D + 1, device=dev)[None, :]
     next_true = padded[idx]                                              # [T, D+1]
     head_logits = heads.teacher_forced_logits(ctx, next_true[:, :D].clamp(min=0))  # [T, D, V]
     target = next_true[:, 1:]                                            # [T, D]
@@ -75,12 +77,12 @@ def rollout_prompt(
 
     return {
         "tokens": np.asarray(y, dtype=np.int64),
-        "rank_paths": ranks.to(torch.int16).numpy(),
-        "p0": p0.float().numpy(),
-        "entropy": entropy.float().numpy(),
-        "head_top1": head_top1.float().numpy(),
-        "greedy_top1": greedy_top1.float().numpy(),
-        "tf_mismatch": tf_mismatch.numpy(),
+        "rank_paths": ranks.to(torch.int16).cpu().numpy(),
+        "p0": p0.float().cpu().numpy(),
+        "entropy": entropy.float().cpu().numpy(),
+        "head_top1": head_top1.float().cpu().numpy(),
+        "greedy_top1": greedy_top1.float().cpu().numpy(),
+        "tf_mismatch": tf_mismatch.cpu().numpy(),
     }
 
 

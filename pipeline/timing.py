@@ -9,13 +9,13 @@ calibration split (exact replay) and the measured prefill time.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from runtime.decoder import TreeDecoder, greedy_chain_top1
+from runtime.device import clock
 from runtime.generate import ar_generate
 
 
@@ -45,9 +45,9 @@ def time_trees(
     bar = tqdm(total=rounds * len(rows) * (n + 1), desc="time", unit="run")
     for rnd in range(rounds):
         for i, row in enumerate(rows):
-            t0 = time.perf_counter()
+            t0 = clock(decoder.model.device)
             out = ar_generate(decoder.model, row["input_ids"], new_tokens // 2)
-            ar_total = time.perf_counter() - t0
+            ar_total = clock(decoder.model.device) - t0
             bar.update()
             best_rate, last_cost = 0.0, 0.0
             for k in range(n):
@@ -99,9 +99,9 @@ def time_head_chain(decoder: TreeDecoder, row: dict, repeats: int = 10) -> float
     greedy_chain_top1(heads, h, root)  # warm-up
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock(model.device)
         greedy_chain_top1(heads, h, root)
-        times.append(time.perf_counter() - t0)
+        times.append(clock(model.device) - t0)
     model.reset_cache()
     heads.reset()
     return statistics.median(times)

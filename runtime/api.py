@@ -12,7 +12,6 @@ enough; `model_dir=` / `heads_dir=` override those paths (the fingerprints are s
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 from runtime.bank import BankError, TopologyBank
 from runtime.decoder import GenerationResult, TreeDecoder
+from runtime.device import clock, resolve_device
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import DraftHeads, load_heads
 from runtime.model import Transformer, load_model, load_tokenizer
@@ -75,10 +75,12 @@ class EntMTP:
         dtype: str | None = None,
         max_seq_len: int = 2048,
         force: bool = False,
-        device: str = "cpu",
+        device: str | torch.device | None = None,
     ) -> EntMTP:
         """Load the bank, then the model and heads it was built for (paths from its provenance
-        unless given). `dtype` defaults to the bank's (the one its figures were measured in)."""
+        unless given). `dtype` defaults to the bank's (the one its figures were measured in);
+        `device` to the one the bank was built on, or the CPU, with a warning, when that device
+        is not available here."""
         bank_dir = Path(bank_dir)
         probe = TopologyBank.load(bank_dir, force=True)  # read provenance first: where are the weights?
         prov = probe.provenance
@@ -92,7 +94,9 @@ class EntMTP:
         dt = dtype or prov.get("dtype") or "float32"
         if dt not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dt!r}")
-        model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len, device=device)
+        recorded = prov.get("device") or (prov.get("config") or {}).get("device")
+        dev = resolve_device(device, recorded)
+        model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len, device=dev)
         heads = load_heads(heads_dir, model=model)
         bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_dir),
                                  heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.config.num_heads,
@@ -211,9 +215,9 @@ class EntMTP:
         from runtime.generate import ar_generate
 
         ids = self.encode(prompt, chat)
-        t0 = time.perf_counter()
+        t0 = clock(self.model.device)
         toks = ar_generate(self.model, ids, max_new_tokens)
-        dt = time.perf_counter() - t0
+        dt = clock(self.model.device) - t0
         text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
         return Generation(text=text, tokens=toks, stats={"new_tokens": len(toks), "tok_per_s": round(len(toks) / dt, 2),
                                                           "tokens_per_step": 1.0})

@@ -18,7 +18,8 @@ from runtime.bank import BankError, TopologyBank
 def _generate(args: argparse.Namespace) -> int:
     from runtime.api import EntMTP
 
-    engine = EntMTP.load(args.bank, model_dir=args.model, heads_dir=args.heads, dtype=args.dtype, force=args.force)
+    engine = EntMTP.load(args.bank, model_dir=args.model, heads_dir=args.heads, dtype=args.dtype, force=args.force,
+                         device=args.device)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     out = engine.generate(prompt, args.max_new_tokens, policy=args.policy, chat=not args.raw,
                           stream=lambda s: print(s, end="", flush=True))
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default=None, help="model folder (default: the bank's)")
     g.add_argument("--heads", default=None, help="heads folder (default: the bank's)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None,
+                   help="cpu, cuda, cuda:1, ... (default: the device the bank was built on, else the CPU)")
     g.add_argument("--force", action="store_true", help="use a bank built for other weights (still lossless)")
     g.set_defaults(fn=_generate)
     i = sub.add_parser("inspect", help="print a bank's trees, figures, policies, provenance and plots")

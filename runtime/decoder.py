@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.device import clock
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
 from runtime.policy import SIGNALS, Scheduler
@@ -119,45 +120,39 @@ class TreeDecoder:
         self.heads = heads
         self.trees = [t.to(model.device) for t in trees]  # buffers live where the model computes
         self.acceptance = acceptance
-        # Python-side copies of the small per-tree index lists used in the accept loop: reading
-        # tensors element by element would cost more than the rest of the accept step.
-        self._parents = [t.parents.tolist() for t in self.trees]
-        self._max_nodes = max(int(t.depths.numel()) for t in self.trees)
+        self._max_nodes = max(t.num_nodes for t in self.trees)
+        # positions 0..max depth: the offsets of an accepted path's slots after compaction
+        self._offsets = torch.arange(max(t.depth for t in self.trees) + 1, device=model.device)
         heads.bind(model)
 
     # ----------------------------------------------------------------------------------------
-    def _accept(self, k: int, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None
-                ) -> tuple[list[int], int]:
-        """Return (accepted node indices from the root, bonus token)."""
-        buf = self.trees[k]
-        parents = buf.parents
+    def _accept(self, buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deepest node whose whole path the base model accepts, and the bonus token after it,
+        both as int64 [1] tensors on the device (nothing is read on the host here).
+
+        tokens [N] are the drafted tokens (index 0 the root), logits [N, V] the verify forward's."""
         if self.acceptance == "greedy":
-            pred = logits.argmax(dim=-1)                       # [N]: each node's next token
-            ok = tokens == pred[parents.clamp(min=0)]
+            next_tokens = logits.argmax(dim=-1)      # [N]: the base model's token after each node
+            ok = tokens == next_tokens[buf.parent_index]
+            bonus_row = next_tokens
         else:
             cfg = self.acceptance
             probs = torch.softmax(logits / cfg.temperature, dim=-1)
             ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-            thresh = torch.minimum(torch.full_like(ent, cfg.epsilon), cfg.alpha * torch.exp(-ent))
-            par = parents.clamp(min=0)
-            ok = probs[par, tokens] > thresh[par]
+            thresh = torch.clamp(cfg.alpha * torch.exp(-ent), max=cfg.epsilon)
+            ok = probs[buf.parent_index, tokens] > thresh[buf.parent_index]
+            bonus_row = None
         ok[0] = True
-        # a node counts only when its whole path is accepted: propagate depth by depth
-        for start, end in buf.depth_slices:
-            ok[start:end] &= ok[parents[start:end]]
-        okd = torch.where(ok, buf.depths, -1)
-        best = int(okd.argmax())                               # deepest accepted node (first on ties)
-        path = [best]
-        par_list = self._parents[k]
-        while path[-1] != 0:
-            path.append(par_list[path[-1]])
-        path.reverse()
-        if self.acceptance == "greedy":
-            bonus = int(pred[best])
+        # a node counts only when it and every ancestor are accepted: its mask row lists exactly those
+        accepted = ~(buf.attn_mask & ~ok).any(dim=-1)
+        best = torch.where(accepted, buf.depths, -1).argmax(dim=0, keepdim=True)  # deepest; first on ties
+        if bonus_row is not None:
+            bonus = bonus_row.index_select(0, best)
         else:
-            p = torch.softmax(logits[best] / self.acceptance.temperature, dim=-1)
-            bonus = int(torch.multinomial(p, 1, generator=gen))
-        return path, bonus
+            p = torch.softmax(logits.index_select(0, best) / self.acceptance.temperature, dim=-1)
+            bonus = torch.multinomial(p, 1, generator=gen)[0]
+        return best, bonus
 
     @torch.inference_mode()
     def generate(
@@ -172,6 +167,10 @@ class TreeDecoder:
 
         `choose` is a fixed tree index or a `Scheduler` (a policy and its signal) that picks the
         tree before every step. `stream` receives each step's emitted tokens.
+
+        A step waits for the device once: when its emitted tokens (and, for signals that read the
+        base logits, two statistics of the last accepted row) come to the host in one transfer.
+        Signals that read the heads (`HEAD_SIGNALS`) add one more, before the tree is chosen.
         """
         if len(input_ids) == 0:
             raise ValueError("empty prompt: give at least one token")
@@ -188,6 +187,7 @@ class TreeDecoder:
             )
         eos = set(eos_ids if eos_ids is not None else model.args.eos_token_ids)
         fixed = isinstance(choose, int)
+        reads_heads = reads_logits = False
         if fixed and not 0 <= choose < len(self.trees):
             raise ValueError(f"tree index {choose} out of range: the decoder has {len(self.trees)} trees")
         if not fixed:
@@ -197,30 +197,33 @@ class TreeDecoder:
             choose.reset()
             reads_heads = choose.signal.reads_heads
             reads_logits = choose.signal.reads_logits
+        dev = model.device
         gen = None
         if isinstance(self.acceptance, TypicalAcceptance):
-            gen = torch.Generator().manual_seed(self.acceptance.seed)
+            gen = torch.Generator(device=dev).manual_seed(self.acceptance.seed)
 
         model.reset_cache()
         heads.reset()
         result = GenerationResult(tokens=[])
-        t0 = time.perf_counter()
-        dev = model.device
+        t0 = clock(dev)
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=dev)
         prompt_pos = torch.arange(ids.shape[1], device=dev)
         logits, hidden = model(ids, prompt_pos, last_only=True)
         h = heads.observe(hidden, prompt_pos)
         last = logits[0, -1]
         root = int(last.argmax())
-        if not fixed:
-            p0, entropy = _top1_and_entropy(last) if reads_logits else (math.nan, math.nan)
+        p0 = entropy = math.nan
+        if reads_logits:
+            p0, entropy = _top1_and_entropy(last)
         result.tokens.append(root)
-        result.prefill_seconds = time.perf_counter() - t0
+        result.prefill_seconds = clock(dev) - t0
         if stream:
             stream([root])
 
         t_dec = time.perf_counter()
         while root not in eos and len(result.tokens) < max_new_tokens:
+            # No synchronisation for this clock read: the previous step ended with one (its token
+            # transfer); device work queued after it (the heads' observation) counts in this step.
             ts = time.perf_counter()
             if fixed:
                 k, signal = choose, math.nan
@@ -229,14 +232,22 @@ class TreeDecoder:
                 signal = choose.signal.observe(p0, chain, entropy)
                 k = choose.policy.choose(signal)
             buf = self.trees[k]
-            pos = model.cache_len
+            start = model.cache_len
             tokens = heads.propose(h, root, buf)
-            logits, hidden = model(tokens[None], pos + buf.depths, buf.attn_mask)
-            path, bonus = self._accept(k, tokens, logits[0], gen)
-            keep = torch.tensor(path, dtype=torch.long, device=dev)
-            model.keep_cache(pos, keep)
-            h = heads.observe(hidden[:, keep], pos + torch.arange(len(path), device=dev))
-            emitted = tokens[keep[1:]].tolist() + [bonus]
+            logits, hidden = model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False)
+            best, bonus = self._accept(buf, tokens, logits[0], gen)
+            path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
+            # move the path's K/V to the front now (all D+1 slots; the padding is cut below)
+            model.compact_cache(start, path)
+            parts = [buf.depths.index_select(0, best), tokens.index_select(0, path[1:]), bonus]
+            if reads_logits:
+                parts.append(_logit_sums(logits[0].index_select(0, best)[0]))
+            # the step's one host synchronisation: everything the host needs, in one transfer
+            host = torch.cat([x.to(torch.float64) for x in parts]).tolist()
+            accepted = int(host[0])
+            model.truncate_cache(start + accepted + 1)
+            h = heads.observe(hidden[:, path[: accepted + 1]], start + self._offsets[: accepted + 1])
+            emitted = [int(t) for t in host[1: 1 + accepted]] + [int(host[1 + buf.depth])]
             # stop at EOS / the token budget, mid-step if need be
             room = max_new_tokens - len(result.tokens)
             out: list[int] = []
@@ -247,14 +258,28 @@ class TreeDecoder:
             result.tokens.extend(out)
             root = out[-1]
             if not fixed:
-                choose.update(len(path) - 1)
+                choose.update(accepted)
                 if reads_logits:
-                    p0, entropy = _top1_and_entropy(logits[0, path[-1]])
-            result.steps.append(StepRecord(k, len(path) - 1, time.perf_counter() - ts, signal))
+                    p0, entropy = _p0_and_entropy(*host[-2:])
+            result.steps.append(StepRecord(k, accepted, time.perf_counter() - ts, signal))
             if stream:
                 stream(out)
-        result.decode_seconds = time.perf_counter() - t_dec
+        result.decode_seconds = clock(dev) - t_dec
         return result
+
+
+def _logit_sums(logits: torch.Tensor) -> torch.Tensor:
+    """(s, d) = (sum(e), sum(e * z)) with z = x - max(x), e = exp(z), for one row of logits: the
+    two numbers `_p0_and_entropy` needs, left on the device."""
+    x = logits.float()
+    z = x - x.max()
+    e = z.exp()
+    return torch.stack((e.sum(), torch.dot(e, z)))
+
+
+def _p0_and_entropy(s: float, d: float) -> tuple[float, float]:
+    """p0 = exp(0) / s = 1 / s and H = -sum(p log p) = log s - d / s (see `_logit_sums`)."""
+    return 1.0 / s, math.log(s) - d / s
 
 
 def _top1_and_entropy(logits: torch.Tensor) -> tuple[float, float]:
@@ -264,25 +289,21 @@ def _top1_and_entropy(logits: torch.Tensor) -> tuple[float, float]:
     H = -sum(p log p) = log s - sum(e * z) / s. Exact algebra (float32 rounding aside), and about
     2/3 of the cost of log_softmax followed by exp (two exp passes); on a 49,152-token vocabulary
     the exp pass is most of what is left (pipeline/benchmarks/policy_overhead.py)."""
-    x = logits.float()
-    z = x - x.max()
-    e = z.exp()
-    s, d = torch.stack((e.sum(), torch.dot(e, z))).tolist()  # one conversion to Python floats
-    return 1.0 / s, math.log(s) - d / s
+    s, d = _logit_sums(logits).tolist()  # one conversion to Python floats
+    return _p0_and_entropy(s, d)
 
 
 def greedy_chain_top1(heads: DraftHeads, h: torch.Tensor, root: int) -> list[float]:
-    """p_1..p_D: each head's top-1 probability along the heads' own greedy chain from `root`."""
+    """p_1..p_D: each head's top-1 probability along the heads' own greedy chain from `root`
+    (the chain's tokens stay on the device; the D probabilities come back in one transfer)."""
     D = heads.config.num_heads
     h = h.reshape(1, -1)
     tokens = torch.full((1, D), int(root), dtype=torch.long, device=h.device)
-    probs = []
+    probs = torch.empty(D, dtype=torch.float32, device=h.device)
     for d in range(1, D + 1):
         states = heads.head_states(h, tokens, heads=d)[:, -1:]          # head d only
-        p = torch.softmax(heads.output_logits(states, first_head=d)[0, 0].float(), -1)
-        top = p.max(-1)
-        probs.append(float(top.values))
+        top = torch.softmax(heads.output_logits(states, first_head=d)[0, 0].float(), -1).max(-1)
+        probs[d - 1] = top.values
         if d < D:
-            tok = top.indices if heads.draft_ids is None else heads.draft_ids[top.indices]
-            tokens[0, d] = int(tok)
-    return probs
+            tokens[0, d] = top.indices if heads.draft_ids is None else heads.draft_ids[top.indices]
+    return probs.tolist()

@@ -194,7 +194,7 @@ class PrefixLayer(nn.Module):
         # same float32 recipe as runtime.model.rope_tables, computed for just these positions
         device = self.norm.weight.device
         if self._inv_freq is None or self._inv_freq.device != device:
-            self._inv_freq = rope_inv_freq(self.args).to(device)
+            self._inv_freq = rope_inv_freq(self.args, device)
         freqs = torch.outer(input_pos.to(device, torch.float32), self._inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
@@ -431,48 +431,48 @@ class DraftHeads(nn.Module):
     # -- drafting ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def propose(self, h: Tensor, root_token: int, buffers: TreeBuffers) -> Tensor:
+    def propose(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers) -> Tensor:
         """Draft a tree: LongTensor [N] of tokens in node order, index 0 = root_token.
 
         A depth-d node takes the ranks[node]-th most likely token of head d. Medusa runs all heads
         once from h; Hydra runs head d on the distinct parents at depth d-1 (their path embeddings
         batched), so the work is one small batch per depth, with topk only as wide as the tree
-        needs there (`buffers.topk`)."""
+        needs there (`buffers.topk`). Every index comes precomputed with the buffers, which must
+        live on the heads' device: no host synchronisation happens here."""
         depth = len(buffers.depth_slices)
         if depth > self.config.num_heads:
             raise ValueError(f"the tree has depth {depth} but the heads draft only {self.config.num_heads} tokens")
+        if buffers.depths.device != h.device:
+            raise ValueError(f"the tree buffers live on {buffers.depths.device} but the context vector on {h.device}: "
+                             "move them with buffers.to(device) once, not per step")
         h = h.reshape(1, -1).to(self.dtype)
-        n_nodes = int(buffers.depths.shape[0])
-        tokens = torch.empty(n_nodes, dtype=torch.long, device=h.device)
-        tokens[0] = int(root_token)
+        tokens = torch.empty(buffers.num_nodes, dtype=torch.long, device=h.device)
+        tokens[0] = root_token
         if depth == 0:
             return tokens
         v_out = self.config.draft_vocab_size or self.config.vocab_size
         if max(buffers.topk) > v_out:
             raise ValueError(f"the tree asks for rank {max(buffers.topk) - 1} but a head has only {v_out} candidates")
-        ranks = buffers.ranks.to(h.device)
+        ranks = buffers.ranks
 
         if self.config.kind == "medusa":
             states = self.head_states(h, None, heads=depth)                 # [1, depth, dim]
             top = self.output_logits(states)[0].topk(max(buffers.topk), dim=-1).indices  # [depth, k]
-            node_depth = buffers.depths[1:].to(h.device)
-            picked = top[node_depth - 1, ranks[1:]]
+            picked = top[buffers.draft_heads, ranks[1:]]
             tokens[1:] = picked if self.draft_ids is None else self.draft_ids[picked]
             return tokens
 
         # Hydra: inputs[i] = concat(h, e(root), e(tokens on node i's path)) for nodes of depth d-1
         inputs = torch.cat([h, self.embed(tokens[:1])], dim=-1)               # [1, 2*dim]
         for d, (start, end) in enumerate(buffers.depth_slices, start=1):
-            slots = buffers.parent_slots[d - 1].to(h.device)
-            parents, which = torch.unique(slots, return_inverse=True)      # only parents with children
-            x = self._blocks(d, inputs[parents])
+            x = self._blocks(d, inputs.index_select(0, buffers.unique_parents[d - 1]))  # parents with children
             logits = self.output_logits(x[:, None, :], first_head=d)[:, 0]  # [u, V_out]
             top = logits.topk(buffers.topk[d - 1], dim=-1).indices
-            picked = top[which, ranks[start:end]]
+            picked = top[buffers.parent_inverse[d - 1], ranks[start:end]]
             tok = picked if self.draft_ids is None else self.draft_ids[picked]
             tokens[start:end] = tok
             if d < depth:
-                inputs = torch.cat([inputs[slots], self.embed(tok)], dim=-1)
+                inputs = torch.cat([inputs.index_select(0, buffers.parent_slots[d - 1]), self.embed(tok)], dim=-1)
         return tokens
 
 
@@ -545,8 +545,11 @@ def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
         raise ValueError(f"{path}: {e}") from e
 
 
-def load_state_strict(module: nn.Module, state: dict[str, Tensor], where: str) -> None:
-    """load_state_dict that names every missing / unexpected key and every shape mismatch."""
+def load_state_strict(module: nn.Module, state: dict[str, Tensor], where: str, assign: bool = False) -> None:
+    """load_state_dict that names every missing / unexpected key and every shape mismatch.
+
+    assign=True hands the given tensors to the module as they are (their dtype and device; for a
+    module built on the `meta` device, which has no storage to copy into)."""
     expected = module.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -562,7 +565,24 @@ def load_state_strict(module: nn.Module, state: dict[str, Tensor], where: str) -
             problems.append(f"{k}: dtype {state[k].dtype}, expected a {'float' if expected[k].is_floating_point() else 'integer'} tensor")
     if problems:
         raise ValueError(f"{where} does not match the heads config: " + "; ".join(problems))
-    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    if assign:
+        module.load_state_dict(state, strict=True, assign=True)
+    else:
+        module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+
+
+def build_heads(config: HeadsConfig, state: dict[str, Tensor], where: str, dtype: torch.dtype,
+                device: torch.device | str) -> DraftHeads:
+    """DraftHeads built on the `meta` device (no memory, no random init) that take `state`'s
+    tensors, each cast to `dtype` (floating ones) and placed on `device` as it goes."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        heads = DraftHeads(config)
+    expected = heads.state_dict()
+    placed = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else expected[k].dtype
+                      if k in expected else v.dtype) for k, v in state.items()}
+    load_state_strict(heads, placed, where, assign=True)
+    return heads
 
 
 def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torch.dtype | None = None,
@@ -584,15 +604,8 @@ def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torc
     bad = sorted(k for k, v in state.items() if v.is_floating_point() and v.dtype != _DTYPES[stored])
     if bad:
         raise ValueError(f"{wfile}: tensors {bad[:5]} are not {stored} as config.json says; the files do not belong together")
-    with torch.device("meta"):
-        heads = DraftHeads(config)
-    heads.to_empty(device="cpu")
-    heads.to(_DTYPES[stored])
-    load_state_strict(heads, state, str(wfile))
-    target = dtype or (model.dtype if model is not None else None)
-    if target is not None:
-        heads.to(target)
+    target = dtype or (model.dtype if model is not None else _DTYPES[stored])
+    heads = build_heads(config, state, str(wfile), target, model.device if model is not None else "cpu")
     if model is not None:
-        heads.to(model.device)
         heads.bind(model)
     return heads.eval().requires_grad_(False)

@@ -155,10 +155,10 @@ def _read_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 # RoPE
 
 
-def rope_inv_freq(args: ModelArgs) -> Tensor:
-    """Per-pair inverse frequencies (float32, [head_dim/2]) with the checkpoint's scaling applied."""
+def rope_inv_freq(args: ModelArgs, device: torch.device | str = "cpu") -> Tensor:
+    """Per-pair inverse frequencies (float32, [head_dim/2], on `device`) with the checkpoint's scaling applied."""
     hd = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
     scaling = args.rope_scaling
     if scaling is None:
         return inv_freq
@@ -178,9 +178,9 @@ def rope_inv_freq(args: ModelArgs) -> Tensor:
 
 def rope_tables(args: ModelArgs, max_len: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """cos and sin tables [max_len, head_dim] in float32 (each frequency repeated for both halves)."""
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(args))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), rope_inv_freq(args, device))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    return emb.cos(), emb.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -376,7 +376,8 @@ class Transformer(nn.Module):
     def keep_cache(self, start: int, keep: Tensor) -> None:
         """After a tree verify: move slots `start + keep[i]` to `start + i` for every layer in one
         gather, then set cache_len = start + len(keep). `keep` must be increasing offsets (a path
-        root..leaf in node order), which is what makes the moves safe to do in place."""
+        root..leaf in node order). Checks the offsets' values, which reads them on the host; the
+        decoder's step uses `compact_cache`, whose indices come checked with the compiled tree."""
         if keep.dim() != 1 or keep.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"keep must be a 1-D integer tensor, got shape {tuple(keep.shape)} dtype {keep.dtype}")
         if not 0 <= start <= self._cache_len:
@@ -388,20 +389,35 @@ class Transformer(nn.Module):
             lo, hi = int(keep.min()), int(keep.max())
             if lo < 0 or hi >= avail:
                 raise ValueError(f"keep offsets must lie in [0, {avail}); got min {lo} max {hi}")
-            src = keep.to(device=self.kv_cache.device, dtype=torch.int64) + start
-            self.kv_cache[:, :, :, start:start + m] = self.kv_cache.index_select(3, src)
+            self.compact_cache(start, keep.to(device=self.kv_cache.device, dtype=torch.int64))
+        self._cache_len = start + m
+
+    def compact_cache(self, start: int, offsets: Tensor) -> None:
+        """Copy slots `start + offsets[i]` to `start + i` (all layers, one gather) and set cache_len
+        = start + len(offsets). `offsets` is an int64 tensor on the cache's device whose values are
+        trusted (they are not read on the host, so that this never waits for the device): each must
+        lie in [0, cache_len - start). The copy goes through a gathered temporary, so any order of
+        offsets is safe. Shorten afterwards with `truncate_cache` when only a prefix is kept."""
+        m, avail = offsets.numel(), self._cache_len - start
+        if offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.device != self.kv_cache.device:
+            raise ValueError(f"offsets must be a 1-D int64 tensor on {self.kv_cache.device}, got "
+                             f"{tuple(offsets.shape)} {offsets.dtype} on {offsets.device}")
+        if not 0 <= start <= self._cache_len or m > avail:
+            raise ValueError(f"cannot compact {m} slots after start {start}: the cache holds {self._cache_len}")
+        if m:
+            self.kv_cache[:, :, :, start:start + m] = self.kv_cache.index_select(3, offsets + start)
         self._cache_len = start + m
 
     # -- forward ----------------------------------------------------------------------------
 
-    def _attention_mask(self, mask: Tensor | None, start: int, n: int) -> Tensor | None:
+    def _attention_mask(self, mask: Tensor | None, start: int, n: int, check: bool) -> Tensor | None:
         """Boolean mask [groups*n, start+n] for SDPA (True = may attend), or None for one token
         that sees everything. Built once per call and shared by all layers."""
         if mask is not None:
             if mask.shape != (n, n) or mask.dtype != torch.bool:
                 raise ValueError(f"mask must be a bool tensor of shape ({n}, {n}), got {tuple(mask.shape)} "
                                  f"{mask.dtype}")
-            if not bool(mask.diagonal().all()):
+            if check and not bool(mask.diagonal().all()):
                 raise ValueError("mask must let every new token attend to itself (its diagonal must be True)")
         if n == 1:
             return None
@@ -414,10 +430,12 @@ class Transformer(nn.Module):
         return full.repeat(groups, 1) if groups > 1 else full
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
-                last_only: bool = False) -> tuple[Tensor, Tensor]:
+                last_only: bool = False, check_mask: bool = True) -> tuple[Tensor, Tensor]:
         """Run n new tokens. tokens [1, n] (int64), input_pos [n] absolute RoPE positions, mask
         [n, n] bool over the new tokens (None = causal). Appends their K/V after the committed
-        cache and advances cache_len by n.
+        cache and advances cache_len by n. check_mask=False skips the check that the mask's
+        diagonal is set, which reads it on the host: for masks checked once already (a compiled
+        tree's, see `runtime.tree.TreeBuffers`).
 
         Returns (logits [1, n, V] float32, hidden [1, n, dim]) where hidden is the final-normed
         state the lm_head reads. With last_only=True the logits are for the last token only
@@ -434,7 +452,7 @@ class Transformer(nn.Module):
         if start + n > self.max_seq_len:
             raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
                              "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
-        attn_mask = self._attention_mask(mask, start, n)
+        attn_mask = self._attention_mask(mask, start, n, check_mask)
         cos = self.rope_cos[input_pos].unsqueeze(1)
         sin = self.rope_sin[input_pos].unsqueeze(1)
 
@@ -497,42 +515,99 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+class _CheckpointReader:
+    """Reads a model folder's safetensors one tensor at a time, single-file or sharded (a
+    `model.safetensors.index.json` names each tensor's shard).
+
+    Each read opens its file, copies the one tensor out and closes it again: the memory-mapped
+    pages of a shard are released after every tensor instead of accumulating to the whole shard,
+    so the host never holds more than the weights already placed plus one tensor in flight."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        index = path / "model.safetensors.index.json"
+        self.file_of: dict[str, Path] = {}
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index} has no weight_map; is it a Hugging Face sharded-checkpoint index?")
+            for key, name in weight_map.items():
+                f = path / name
+                if not f.is_file():
+                    raise FileNotFoundError(f"{index} names shard {name} for {key}, but {f} does not exist")
+                self.file_of[key] = f
+        else:
+            for f in _safetensors_files(path):
+                with safe_open(str(f), framework="pt") as st:
+                    for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        self.file_of[key] = f
+
+    def shape(self, key: str) -> list[int]:
+        with self._open(str(self.file_of[key]), framework="pt") as st:
+            return list(st.get_slice(key).get_shape())
+
+    def read(self, key: str) -> Tensor:
+        with self._open(str(self.file_of[key]), framework="pt") as st:
+            return st.get_tensor(key)
+
+
 # HF checkpoint keys that carry no weights we need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _convert_hf_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Rename HF Llama/Qwen2 weights to this module's names, fusing q/k/v and gate/up."""
-    hf = {k: v for k, v in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
+def _load_hf_weights(reader: _CheckpointReader, args: ModelArgs, dtype: torch.dtype,
+                     device: torch.device) -> dict[str, Tensor]:
+    """This module's state dict from a HF Llama/Qwen2 checkpoint, every tensor made directly in
+    `dtype` on `device`; q/k/v and gate/up are fused into preallocated matrices part by part."""
     used: set[str] = set()
 
-    def take(key: str) -> Tensor:
-        if key not in hf:
+    def check(key: str) -> None:
+        if key not in reader.file_of:
             raise ValueError(f"checkpoint lacks {key!r}; is it a {args.n_layers}-layer Llama-family model?")
         used.add(key)
-        return hf[key]
+
+    def take(key: str) -> Tensor:
+        check(key)
+        return reader.read(key).to(device=device, dtype=dtype)
+
+    def fused(keys: list[str]) -> Tensor:
+        for k in keys:
+            check(k)
+        shapes = [reader.shape(k) for k in keys]
+        rows = sum(s[0] for s in shapes)
+        out = torch.empty(rows, *shapes[0][1:], dtype=dtype, device=device)
+        at = 0
+        for k, shape in zip(keys, shapes):
+            if list(shape[1:]) != list(shapes[0][1:]):
+                raise ValueError(f"checkpoint tensor {k} has shape {shape}, which cannot be stacked with "
+                                 f"{keys[0]} {shapes[0]}")
+            out[at:at + shape[0]].copy_(reader.read(k))  # converts dtype and moves in one copy
+            at += shape[0]
+        return out
 
     out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     for i in range(args.n_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         out[q + "attention_norm.weight"] = take(p + "input_layernorm.weight")
         out[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
-        out[q + "attention.wqkv.weight"] = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        out[q + "attention.wqkv.weight"] = fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"])
         if args.qkv_bias:
-            out[q + "attention.wqkv.bias"] = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            out[q + "attention.wqkv.bias"] = fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"])
         out[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
         if args.o_bias:
             out[q + "attention.wo.bias"] = take(p + "self_attn.o_proj.bias")
-        out[q + "feed_forward.w13.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        out[q + "feed_forward.w13.weight"] = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
         out[q + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
     if args.tie_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints still store a copy; the embedding wins, as in HF
         out["output.weight"] = out["tok_embeddings.weight"]
-    elif "lm_head.weight" in hf:
+    elif "lm_head.weight" in reader.file_of:
         out["output.weight"] = take("lm_head.weight")
     else:
         raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
-    unexpected = sorted(set(hf) - used)
+    unexpected = sorted(k for k in set(reader.file_of) - used if not k.endswith(_IGNORED_SUFFIXES))
     if unexpected:
         raise ValueError(f"checkpoint has weights this runtime does not know: {unexpected[:5]}"
                          f"{' ...' if len(unexpected) > 5 else ''}")
@@ -541,31 +616,30 @@ def _convert_hf_state(hf: dict[str, Tensor], args: ModelArgs) -> dict[str, Tenso
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int = 2048,
                device: str | torch.device = "cpu", fast_paths: bool | None = None) -> Transformer:
-    """Load a Hugging Face Llama-family folder (config.json + *.safetensors) and allocate its cache.
+    """Load a Hugging Face Llama-family folder (config.json + *.safetensors, one file or shards
+    with `model.safetensors.index.json`) and allocate its cache.
+
+    The module is built on the `meta` device (no memory, no random init) and takes the weights
+    with `load_state_dict(assign=True)`; each weight is read, cast and placed on `device` one
+    tensor at a time, so the host holds at most the weights (on a CPU) plus one tensor.
 
     fast_paths: keep transposed weight copies for faster CPU decoding (see `Linear`); None = on
     for float32 on CPU, where it was measured to pay off, off otherwise."""
-    from safetensors import safe_open
-
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     _set_threads_once()
     path = Path(path)
+    device = torch.device(device)
     args = ModelArgs.from_hf_config(_read_config(path))
-    hf: dict[str, Tensor] = {}
-    for f in _safetensors_files(path):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                hf[k] = st.get_tensor(k).to(dtype)
-    state = _convert_hf_state(hf, args)
-    del hf
+    state = _load_hf_weights(_CheckpointReader(path), args, dtype, device)
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(state, strict=True, assign=True)
+    del state
     if args.tie_embeddings:  # assign=True replaced the embedding Parameter; point the head at it again
         model.output.weight = model.tok_embeddings.weight
     model.requires_grad_(False)
-    model = model.to(device).eval()
+    model.eval()
     if fast_paths is None:
         fast_paths = dtype == torch.float32 and model.device.type == "cpu"
     if fast_paths:

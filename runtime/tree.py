@@ -20,7 +20,7 @@ import json
 import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -249,6 +249,47 @@ class TreeBuffers:
     depth_slices: list[tuple[int, int]]  # index d-1: [start, end) node range of depth d
     parent_slots: list[torch.Tensor]  # index d-1: int64 [n_d], parent's offset within depth d-1's range
     topk: list[int]  # index d-1: max rank + 1 at depth d (candidates head d must propose)
+    # Derived from the fields above when the buffers are made (never stored), on their device, so
+    # that a decoding step runs on precomputed indices with no per-node Python and no
+    # data-dependent op:
+    parent_index: torch.Tensor = field(init=False, repr=False)  # int64 [N]: parents, root -> 0
+    node_paths: torch.Tensor = field(init=False, repr=False)  # int64 [N, D+1]: node i's path root..i, padded with i
+    unique_parents: list[torch.Tensor] = field(init=False, repr=False)  # index d-1: distinct parent_slots
+    parent_inverse: list[torch.Tensor] = field(init=False, repr=False)  # index d-1: parent_slots -> unique_parents row
+    draft_heads: torch.Tensor = field(init=False, repr=False)  # int64 [N-1]: head (0-based) drafting node i+1
+
+    def __post_init__(self) -> None:
+        """Check the mask once (every node attends to itself and its ancestors only: the model's
+        verify forward trusts it and never checks it again) and derive the step indices."""
+        n = int(self.depths.shape[0])
+        mask, parents = self.attn_mask.cpu(), self.parents.cpu()
+        if mask.dtype != torch.bool or tuple(mask.shape) != (n, n):
+            raise TreeError(f"tree buffers: attn_mask must be bool [{n}, {n}], got {mask.dtype} {tuple(mask.shape)}")
+        if parents.shape != (n,) or n == 0 or int(parents[0]) != -1:
+            raise TreeError("tree buffers: parents must be [N] with the root (-1) first")
+        par = parents.tolist()
+        paths: list[list[int]] = [[0]]
+        for i in range(1, n):
+            if not 0 <= par[i] < i:
+                raise TreeError(f"tree buffers: node {i} has parent {par[i]}: parents must precede their children")
+            paths.append(paths[par[i]] + [i])
+        ancestors = torch.zeros(n, n, dtype=torch.bool)
+        for i, path in enumerate(paths):
+            ancestors[i, path] = True
+        if not torch.equal(mask, ancestors):
+            raise TreeError("tree buffers: attn_mask is inconsistent with the tree that parents describe (each node must "
+                            "attend exactly to itself and its ancestors)")
+        width = len(self.depth_slices) + 1
+        if any(len(p) > width for p in paths):
+            raise TreeError(f"tree buffers: a node lies deeper than the {len(self.depth_slices)} depth slices")
+        device = self.depths.device
+        self.parent_index = parents.clamp(min=0).to(device)
+        self.node_paths = torch.tensor([p + [p[-1]] * (width - len(p)) for p in paths], dtype=torch.long,
+                                       device=device)
+        uniques = [torch.unique(s.cpu(), return_inverse=True) for s in self.parent_slots]
+        self.unique_parents = [u.to(device) for u, _ in uniques]
+        self.parent_inverse = [inv.to(device) for _, inv in uniques]
+        self.draft_heads = (self.depths.cpu()[1:] - 1).to(device)
 
     @classmethod
     def compile(cls, tree: Tree) -> TreeBuffers:

@@ -432,3 +432,33 @@ def test_load_tokenizer(smollm2_dir: Path) -> None:
     assert tok.token_to_id("<|im_end|>") == 2
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(smollm2_dir / "nope")
+
+
+def test_sharded_safetensors_load_like_one_file(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Two shards + model.safetensors.index.json give the very same weights as the single file,
+    and loading in bfloat16 builds every (fused) matrix in bfloat16 directly."""
+    import shutil
+
+    src = tiny_dirs["llama_gqa"]
+    state = load_file(str(src / "model.safetensors"))
+    keys = sorted(state)
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    shard_of = {k: names[i * 2 // len(keys)] for i, k in enumerate(keys)}
+    d = tmp_path / "sharded"
+    d.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, d)
+    for name in names:
+        save_file({k: state[k] for k in keys if shard_of[k] == name}, str(d / name))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shard_of}))
+    one, sharded = load_model(src, max_seq_len=16), load_model(d, max_seq_len=16)
+    assert list(one.state_dict()) == list(sharded.state_dict())
+    for (k, a), b in zip(one.state_dict().items(), sharded.state_dict().values()):
+        assert torch.equal(a, b), k
+    half = load_model(d, dtype=torch.bfloat16, max_seq_len=16)
+    for (k, a), b in zip(one.state_dict().items(), half.state_dict().values()):
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), k
+    (d / names[1]).unlink()
+    with pytest.raises(FileNotFoundError, match=names[1]):
+        load_model(d, max_seq_len=8)

@@ -25,6 +25,7 @@ import torch
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
+from runtime.device import synchronize
 from runtime.model import Transformer, load_model
 
 WARMUP = 2
@@ -57,8 +58,7 @@ def _check(models: dict[str, Transformer], sizes: Sequence[int], contexts: Seque
 
 
 def _sync(model: Transformer) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    synchronize(model.device)
 
 
 @torch.inference_mode()

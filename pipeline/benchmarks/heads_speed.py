@@ -11,7 +11,6 @@ Greedy: every output is checked token-identical to AR.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from pipeline.artifacts import atomic_write_bytes, machine_info
 from pipeline.paths import Layout, default_model_name
 from pipeline.prepare import read_split
 from runtime.decoder import TreeDecoder
+from runtime.device import clock
 from runtime.generate import ar_generate
 from runtime.heads import load_heads
 from runtime.model import load_model
@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> None:
         ar_decode(model, prompts[0]["input_ids"], 8)  # warm-up
         for p in tqdm(prompts, desc=f"heads_speed {task}", unit="prompt"):
             ids = p["input_ids"]
-            t0 = time.perf_counter()
+            t0 = clock(model.device)
             ref = ar_generate(model, ids, args.new_tokens)
             acc.setdefault("AR", [0, 0, 0.0, 0])
-            _add(acc["AR"], len(ref), len(ref) - 1, time.perf_counter() - t0, 1)
+            _add(acc["AR"], len(ref), len(ref) - 1, clock(model.device) - t0, 1)
             for kind, dec in decoders.items():
                 for k, name in enumerate(trees):
                     res = dec.generate(ids, args.new_tokens, choose=k)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from runtime.decoder import TreeDecoder
+from runtime.device import clock
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
 from runtime.policy import LadderPolicy, Scheduler, Signal, greedy_path_value
@@ -185,9 +185,9 @@ def long_run(
         if steps[0] % sample_every == 0:
             sample()
 
-    t0 = time.perf_counter()
+    t0 = clock(model.device)
     res = dec.generate(prompt, new_tokens, choose=sched, eos_ids=[], stream=on_step)
-    dt = time.perf_counter() - t0
+    dt = clock(model.device) - t0
     sample()
     used = [s.tree for s in res.steps]
     switches = sum(a != b for a, b in zip(used, used[1:]))
@@ -213,18 +213,18 @@ def long_run(
         out["tensors_start"], out["tensors_end"] = samples[0]["tensors"], samples[-1]["tensors"]
         out["tensor_mb_start"], out["tensor_mb_end"] = samples[0]["tensor_mb"], samples[-1]["tensor_mb"]
     if compare_ar == "teacher_forced":
-        t1 = time.perf_counter()
+        t1 = clock(model.device)
         tf = teacher_forced_check(model, prompt, res.tokens)
         out["check"] = "teacher_forced"
-        out["check_s"] = time.perf_counter() - t1
+        out["check_s"] = clock(model.device) - t1
         out["tf_mismatches"] = tf["mismatches"]
         out["lossless"] = not tf["mismatches"]
         out["first_mismatch"] = tf["mismatches"][0]["token"] if tf["mismatches"] else None
     elif compare_ar:
-        t1 = time.perf_counter()
+        t1 = clock(model.device)
         ref = ar_generate(model, prompt, new_tokens, eos_ids=[])
         out["check"] = "ar"
-        out["check_s"] = time.perf_counter() - t1
+        out["check_s"] = clock(model.device) - t1
         diff = next((i for i, (a, b) in enumerate(zip(res.tokens, ref)) if a != b), None)
         if diff is None and len(ref) != len(res.tokens):
             diff = min(len(ref), len(res.tokens))
