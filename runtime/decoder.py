@@ -6,12 +6,14 @@ One step, with the KV cache holding every committed position before `pos` and th
 1. pick a tree (an index into precompiled `TreeBuffers`: switching costs nothing),
 2. the heads draft the tree's tokens from the context vector `h` of the previous position,
 3. the base model verifies all nodes in one call with the tree's ancestor mask,
-4. accept the longest path whose every token the base model agrees with (greedy: equal to the
-   parent's argmax; typical: probable enough under the parent's distribution),
+4. accept the longest path whose every token the base model agrees with (exact: equal to the
+   parent's next token as the `Sampler` picks it, argmax at temperature 0, a sample keyed on the
+   output position above; typical: probable enough under the parent's distribution),
 5. emit the accepted drafts plus one bonus token from the last accepted node, and compact the
    KV cache to the accepted path (one gather over all layers).
 
-Under greedy acceptance the output is token-identical to greedy autoregressive decoding, for any
+Under exact ("greedy") acceptance the output is token-identical to autoregressive decoding with
+the same sampler (greedy, or seeded sampling at temperature > 0: see runtime/sampling.py), for any
 tree and any per-step choice of tree (up to floating-point ties in an argmax).
 """
 
@@ -27,6 +29,7 @@ import torch
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
 from runtime.policy import SIGNALS, Scheduler
+from runtime.sampling import RowPositions, Sampler
 from runtime.tree import TreeBuffers
 
 # names of the signals for which the decoder runs the heads' greedy chain every step (see
@@ -99,7 +102,8 @@ class GenerationResult:
 
 
 class TreeDecoder:
-    """Greedy (or typical) tree speculative decoding over a fixed list of compiled trees."""
+    """Exact (greedy or seeded-sampling) or typical tree speculative decoding over a fixed list of
+    compiled trees."""
 
     def __init__(
         self,
@@ -126,13 +130,15 @@ class TreeDecoder:
         heads.bind(model)
 
     # ----------------------------------------------------------------------------------------
-    def _accept(self, k: int, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None
-                ) -> tuple[list[int], int]:
-        """Return (accepted node indices from the root, bonus token)."""
+    def _accept(self, k: int, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None,
+                sampler: Sampler, first_position: int) -> tuple[list[int], int]:
+        """Return (accepted node indices from the root, bonus token). `first_position` is the
+        output position the root's row predicts (the number of tokens emitted so far)."""
         buf = self.trees[k]
         parents = buf.parents
         if self.acceptance == "greedy":
-            pred = logits.argmax(dim=-1)                       # [N]: each node's next token
+            # [N]: each node's next token; a depth-d node predicts output position first + d
+            pred = sampler.next_tokens(logits, RowPositions(first_position, buf.depths, len(buf.depth_slices) + 1))
             ok = tokens == pred[parents.clamp(min=0)]
         else:
             cfg = self.acceptance
@@ -167,12 +173,18 @@ class TreeDecoder:
         choose: Scheduler | int = 0,
         eos_ids: Sequence[int] | None = None,
         stream: Callable[[list[int]], None] | None = None,
+        sampler: Sampler | None = None,
     ) -> GenerationResult:
         """Decode up to `max_new_tokens` new tokens after `input_ids`.
 
         `choose` is a fixed tree index or a `Scheduler` (a policy and its signal) that picks the
-        tree before every step. `stream` receives each step's emitted tokens.
+        tree before every step. `stream` receives each step's emitted tokens. `sampler` picks
+        every emitted token (default: greedy); the output equals `ar_generate` with the same sampler.
         """
+        sampler = sampler if sampler is not None else Sampler()
+        if not sampler.greedy and self.acceptance != "greedy":
+            raise ValueError("typical acceptance samples on its own (TypicalAcceptance.temperature/seed); "
+                             "give a sampler only with acceptance='greedy'")
         if len(input_ids) == 0:
             raise ValueError("empty prompt: give at least one token")
         if max_new_tokens < 1:
@@ -211,7 +223,7 @@ class TreeDecoder:
         logits, hidden = model(ids, prompt_pos, last_only=True)
         h = heads.observe(hidden, prompt_pos)
         last = logits[0, -1]
-        root = int(last.argmax())
+        root = int(sampler.next_tokens(last[None], RowPositions(0, torch.zeros(1, dtype=torch.long, device=dev), 1))[0])
         if not fixed:
             p0, entropy = _top1_and_entropy(last) if reads_logits else (math.nan, math.nan)
         result.tokens.append(root)
@@ -232,7 +244,7 @@ class TreeDecoder:
             pos = model.cache_len
             tokens = heads.propose(h, root, buf)
             logits, hidden = model(tokens[None], pos + buf.depths, buf.attn_mask)
-            path, bonus = self._accept(k, tokens, logits[0], gen)
+            path, bonus = self._accept(k, tokens, logits[0], gen, sampler, len(result.tokens))
             keep = torch.tensor(path, dtype=torch.long, device=dev)
             model.keep_cache(pos, keep)
             h = heads.observe(hidden[:, keep], pos + torch.arange(len(path), device=dev))
