@@ -28,8 +28,11 @@ Temperature 0 is the limit case: plain argmax (greedy), no noise.
 
 The noise is a counter-based hash computed with int64 tensor ops on the logits' device (no
 generator state, vectorised over rows, the same bits on every device), turned into a uniform
-u in (0, 1) with 53 random bits and into -log(-log u) in float64. Scores are formed and compared in
-float64 whatever the model's dtype, so a low-precision model changes the logits, not the noise.
+u in (0, 1) with 53 random bits and into -log(-log u) in float64, then rounded to float32. Scores
+are formed and compared in float32 whatever the model's dtype (bfloat16 logits convert exactly),
+so a low-precision model changes the logits, not the noise. Rounding the scores to float32 moves
+a token's probability by a relative amount of order 1e-7; that, and the 2**-53 grid of u, are the
+only departures from an exact Gumbel-max draw.
 """
 
 from __future__ import annotations
@@ -64,11 +67,26 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser: a bijection of 64-bit words whose output bits all depend on every
-    input bit. int64 multiplication wraps modulo 2**64, which is the unsigned product's bits."""
-    x = (x ^ _shift_right(x, 30)) * _MIX1
-    x = (x ^ _shift_right(x, 27)) * _MIX2
-    return x ^ _shift_right(x, 31)
+    """splitmix64's finaliser, in place: a bijection of 64-bit words whose output bits all depend
+    on every input bit. int64 multiplication wraps modulo 2**64, which is the unsigned product's
+    bits."""
+    for bits, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+        x ^= _shift_right(x, bits)
+        if multiplier is not None:
+            x *= multiplier
+    return x
+
+
+_COUNTERS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _token_counters(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(token id + 1) * golden ratio increment for every token: splitmix64's stream positions."""
+    key = (vocab_size, device)
+    if key not in _COUNTERS:
+        _COUNTERS.clear()  # one vocabulary at a time in practice; do not grow without bound
+        _COUNTERS[key] = (torch.arange(vocab_size, dtype=torch.long, device=device) + 1) * _GOLDEN
+    return _COUNTERS[key]
 
 
 def gumbel_noise(seed: int | torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -83,10 +101,9 @@ def gumbel_noise(seed: int | torch.Tensor, positions: torch.Tensor, vocab_size: 
         else torch.tensor(_signed64(seed), dtype=torch.long, device=positions.device)
     seeds, positions = torch.broadcast_tensors(seeds, positions)
     row_key = _mix64(_mix64(seeds + _GOLDEN) + (positions + 1) * _POSITION_STEP)
-    counters = (torch.arange(vocab_size, dtype=torch.long, device=positions.device) + 1) * _GOLDEN
-    bits = _mix64(row_key[..., None] + counters)
-    u = (_shift_right(bits, 11).to(torch.float64) + 0.5) * (2.0 ** -53)
-    return -torch.log(-torch.log(u))
+    bits = _mix64(row_key[..., None] + _token_counters(vocab_size, positions.device))
+    u = _shift_right(bits, 11).to(torch.float64).add_(0.5).mul_(2.0 ** -53)
+    return u.log_().neg_().log_().neg_()
 
 
 @dataclass(frozen=True)
@@ -129,7 +146,7 @@ class SamplingConfig:
 
 
 def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """float64 scores logits / T with -inf outside the support (temperature, then top-k, then
+    """float32 scores logits / T with -inf outside the support (temperature, then top-k, then
     top-p), shape as `logits` [..., V]; the most probable token is always in the support.
 
     top-k keeps every token scoring at least the k-th highest score (ties at the boundary stay
@@ -137,24 +154,56 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
     by probability, ties by token id) is below top_p."""
     if config.greedy:
         raise ValueError("process_logits is for temperature > 0; temperature 0 is a plain argmax")
-    scores = logits.to(torch.float64) / config.temperature
+    scores = logits.to(torch.float32) / config.temperature  # a fresh tensor: edited in place below
     vocab = scores.shape[-1]
     if 0 < config.top_k < vocab:
         kth = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
+        scores.masked_fill_(scores < kth, -math.inf)
     if config.top_p < 1:
-        probs = torch.softmax(scores, dim=-1)
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        mass_before[..., 0] = 0.0  # the top token always stays, whatever the rounding
-        drop = torch.empty_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= config.top_p)
-        scores = scores.masked_fill(drop, -math.inf)
+        # top-k left at most k finite scores: the nucleus lies among them (or the candidates)
+        candidates = min(config.top_k, NUCLEUS_CANDIDATES) if config.top_k else NUCLEUS_CANDIDATES
+        scores.masked_fill_(_outside_nucleus(scores, config.top_p, candidates), -math.inf)
     return scores
 
 
+# Top-p looks for the nucleus among this many most probable tokens first, and sorts the whole
+# vocabulary only when they do not hold top_p of the mass (a flat distribution).
+NUCLEUS_CANDIDATES = 1024
+
+
+def _outside_nucleus(scores: torch.Tensor, top_p: float, candidates: int) -> torch.Tensor:
+    """bool [..., V]: tokens whose more probable tokens (ties by lower id) already hold top_p.
+    The `candidates` most probable tokens are tried first; if they do not hold top_p in every
+    row, the whole vocabulary is sorted."""
+    vocab = scores.shape[-1]
+    log_norm = torch.logsumexp(scores.to(torch.float64), dim=-1, keepdim=True)
+    if candidates < vocab:
+        cand_scores, cand_ids = torch.topk(scores, candidates, dim=-1)
+        # topk leaves the order of equal scores open: order the candidates by id, then stably by score
+        cand_ids, by_id = torch.sort(cand_ids, dim=-1)
+        cand_scores = cand_scores.gather(-1, by_id)
+        cand_scores, by_score = torch.sort(cand_scores, dim=-1, descending=True, stable=True)
+        cand_ids = cand_ids.gather(-1, by_score)
+        probs = torch.exp(cand_scores.to(torch.float64) - log_norm)
+        # one host read, only with top-p: do the candidates hold top_p in every row?
+        if bool((probs.sum(-1) >= top_p).all()):
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            mass_before[..., 0] = 0.0  # the top token always stays, whatever the rounding
+            keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, cand_ids, mass_before < top_p)
+            return ~keep
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    probs = torch.exp(sorted_scores.to(torch.float64) - log_norm)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    mass_before[..., 0] = 0.0
+    return torch.empty_like(scores, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
+
+
 def keyed_argmax(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """argmax over the processed support of logits / T + noise, row by row ([..., V] -> [...])."""
-    return (process_logits(logits, config) + noise).argmax(dim=-1)
+    """argmax over the processed support of logits / T + noise, row by row ([..., V] -> [...]),
+    in float32 (the noise is rounded to float32 first, as the sampler stores it)."""
+    scores = process_logits(logits, config)
+    scores += noise.to(torch.float32)
+    return scores.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -211,6 +260,7 @@ class Sampler:
         self._noise = {p: row for p, row in self._noise.items() if first <= p < first + span}
         missing = [p for p in range(first, first + span) if p not in self._noise]
         if missing:
-            fresh = gumbel_noise(self.config.seed, torch.tensor(missing, dtype=torch.long, device=device), vocab_size)
+            fresh = gumbel_noise(self.config.seed, torch.tensor(missing, dtype=torch.long, device=device),
+                                 vocab_size).to(torch.float32)
             self._noise.update(zip(missing, fresh.unbind(0)))
         return torch.stack([self._noise[p] for p in range(first, first + span)])

@@ -150,11 +150,14 @@ def test_row_positions_equal_explicit_positions() -> None:
         sampler.next_tokens(logits, torch.arange(3))
 
 
-def test_low_precision_logits_sample_in_float64() -> None:
-    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    cfg = SamplingConfig(temperature=0.7, seed=5)
-    assert torch.equal(Sampler(cfg).next_tokens(logits, torch.arange(3)),
-                       Sampler(cfg).next_tokens(logits.double(), torch.arange(3)))
+def test_low_precision_logits_sample_in_float32() -> None:
+    """bfloat16 logits give the tokens their float32 values give (the noise is never rounded to
+    the model's dtype)."""
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for seed in range(20):
+        cfg = SamplingConfig(temperature=0.7, top_p=0.9, seed=seed)
+        assert torch.equal(Sampler(cfg).next_tokens(logits, torch.arange(3)),
+                           Sampler(cfg).next_tokens(logits.float(), torch.arange(3)))
 
 
 # --- tree decoding emits the seeded-AR tokens ---------------------------------------------------
@@ -335,3 +338,50 @@ def test_real_tree_decoding_follows_the_law_and_bugs_are_caught(sampler_cls: typ
         pairs[tuple(dec.generate(PROMPT, 2, eos_ids=(), sampler=sampler_cls(cfg)).tokens)] += 1
     p = g_test_p_value(pairs, joint, n)
     assert (p > ALPHA) if correct else (p < BUG_ALPHA), p
+
+
+# --- the public API and the command line ------------------------------------------------------
+
+API_PROMPT = "Write a haiku about trees."
+
+
+@pytest.fixture(scope="module")
+def engine(bundle):  # noqa: ANN001 - tests.helpers.TinyBundle
+    from runtime.api import EntMTP
+
+    return EntMTP.load(bundle.bank_dir)
+
+
+def test_api_sampling_equals_sampled_ar_for_every_policy(engine) -> None:  # noqa: ANN001
+    args = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "seed": 12}
+    ar = engine.generate_ar(API_PROMPT, 12, **args)
+    assert ar.stats["sampling"] == {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "seed": 12}
+    # the default policy switches trees mid-decode on this bank; "2" is its largest tree
+    for policy in ("hysteresis", "2"):
+        out = engine.generate(API_PROMPT, 12, policy=policy, **args)
+        assert out.tokens == ar.tokens and out.text == ar.text, policy
+        assert out.stats["sampling"] == ar.stats["sampling"]
+    other = engine.generate(API_PROMPT, 12, **{**args, "seed": 13})
+    assert other.tokens == engine.generate_ar(API_PROMPT, 12, **{**args, "seed": 13}).tokens
+    assert other.tokens != ar.tokens
+    # the defaults are greedy
+    assert engine.generate(API_PROMPT, 12).tokens == engine.generate_ar(API_PROMPT, 12, temperature=0.0).tokens
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(API_PROMPT, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate_ar(API_PROMPT, 4, temperature=0.7, top_p=0.0)
+
+
+def test_cli_sampling_flags(bundle, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    from runtime.api import EntMTP
+    from runtime.cli import main
+
+    argv = ["generate", "--bank", str(bundle.bank_dir), "--prompt", "Say hello.", "--max-new-tokens", "8",
+            "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9", "--seed", "7", "--compare-ar"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "output identical" in captured.err, captured.err
+    expected = EntMTP.load(bundle.bank_dir).generate("Say hello.", 8, temperature=1.0, top_k=50, top_p=0.9, seed=7)
+    assert captured.out == expected.text + "\n"
+    assert main([*argv[:-1], "--top-p", "0"]) == 2
+    assert capsys.readouterr().err.startswith("entmtp: error: top_p must be")
