@@ -385,3 +385,49 @@ def test_cli_sampling_flags(bundle, capsys: pytest.CaptureFixture[str]) -> None:
     assert captured.out == expected.text + "\n"
     assert main([*argv[:-1], "--top-p", "0"]) == 2
     assert capsys.readouterr().err.startswith("entmtp: error: top_p must be")
+
+
+# --- the default model (slow) -------------------------------------------------------------------
+
+REAL_PROMPTS = (
+    "Write a Python function that checks whether a number is prime.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Give me three tips for staying focused while working from home.",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hydra", "medusa"])
+def test_default_model_seeded_tree_sampling_equals_seeded_ar(smollm2_dir, kind: str) -> None:  # noqa: ANN001
+    """The default model and its shipped heads: seeded tree sampling with Medusa/Hydra's 64-node
+    tree and a 6-node tree emits the seeded-AR tokens at T = 0.7 and 1.0 on real prompts. Prints
+    tokens/step per tree at T = 0, 0.7 and 1.0 (run with -s to see them)."""
+    from runtime.api import render_chat
+    from runtime.heads import load_heads
+    from runtime.model import load_model, load_tokenizer
+
+    heads_dir = smollm2_dir.parent.parent / "heads" / smollm2_dir.name / kind
+    if not (heads_dir / "config.json").is_file():
+        pytest.skip(f"shipped heads not found at {heads_dir}")
+    new_tokens = 48
+    with torch_threads(2):
+        model = load_model(smollm2_dir, dtype=torch.float32, max_seq_len=1024)
+        heads = load_heads(heads_dir, model=model)
+        tokenizer = load_tokenizer(smollm2_dir)
+        trees = {"mc_sim_7b_63": Tree.named("mc_sim_7b_63"), "6-node": Tree([(0,), (1,), (0, 0), (0, 1), (1, 0)])}
+        dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees.values()])
+        steps: dict[tuple[str, float], list[int]] = {}
+        for i, prompt in enumerate(REAL_PROMPTS):
+            ids = tokenizer.encode(render_chat(smollm2_dir, prompt), add_special_tokens=False).ids
+            for temperature in (0.0, 0.7, 1.0):
+                cfg = SamplingConfig(temperature=temperature, seed=100 + i)
+                ref = ar_generate(model, ids, new_tokens, sampler=Sampler(cfg))
+                for k, name in enumerate(trees):
+                    res = dec.generate(ids, new_tokens, choose=k, sampler=Sampler(cfg))
+                    assert res.tokens == ref, (kind, name, temperature, prompt)
+                    tally = steps.setdefault((name, temperature), [0, 0])
+                    tally[0] += len(res.tokens) - 1
+                    tally[1] += len(res.steps)
+    for (name, temperature), (tokens, n_steps) in steps.items():
+        print(f"[{kind} {name} T={temperature}] tokens/step {tokens / n_steps:.2f} ({tokens} tokens, {n_steps} steps)")
