@@ -1,4 +1,5 @@
-"""Plain autoregressive (AR) greedy decoding: the baseline every speculative decode must equal.
+"""Plain autoregressive (AR) decoding, greedy or seeded sampling: the baseline every speculative
+decode must equal.
 
 Also a small command line (`entmtp-generate`) that streams a greedy continuation of a raw prompt.
 """
@@ -41,7 +42,7 @@ def check_prompt(model: Transformer, input_ids: list[int], max_new_tokens: int) 
 def ar_generate(model: Transformer, input_ids: list[int], max_new_tokens: int,
                 eos_ids: Iterable[int] | None = None,
                 stream: Callable[[int], None] | None = None, sampler: Sampler | None = None) -> list[int]:
-    """Greedy continuation of `input_ids`: the new tokens only, stopping after an EOS (included) or
+    """Continuation of `input_ids` (greedy unless `sampler` says otherwise): the new tokens only, stopping after an EOS (included) or
     `max_new_tokens`. `eos_ids` defaults to the model's; pass () to never stop early. `stream`, if
     given, is called with each token as soon as it is chosen. `sampler`, if given and not greedy,
     picks the token at output position t (t = 0 for the first new token) with seeded sampling
