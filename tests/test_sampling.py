@@ -410,7 +410,7 @@ def test_default_model_seeded_tree_sampling_equals_seeded_ar(smollm2_dir, kind: 
     heads_dir = smollm2_dir.parent.parent / "heads" / smollm2_dir.name / kind
     if not (heads_dir / "config.json").is_file():
         pytest.skip(f"shipped heads not found at {heads_dir}")
-    new_tokens = 48
+    new_tokens = 32
     with torch_threads(2):
         model = load_model(smollm2_dir, dtype=torch.float32, max_seq_len=1024)
         heads = load_heads(heads_dir, model=model)
