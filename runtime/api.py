@@ -26,6 +26,7 @@ from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import DraftHeads, load_heads
 from runtime.model import Transformer, load_model, load_tokenizer
 from runtime.policy import Scheduler, policy_from_dict
+from runtime.sampling import Sampler, SamplingConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -171,9 +172,19 @@ class EntMTP:
         stream: Callable[[str], None] | None = None,
         chat: bool = True,
         truncate: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
     ) -> Generation:
-        """Decode greedily (lossless: same tokens as plain greedy decoding). `prompt` is text
-        (rendered with the chat template unless chat=False) or token ids. `stream` gets text pieces.
+        """Decode losslessly: the same tokens as `generate_ar` with the same sampling arguments.
+        `prompt` is text (rendered with the chat template unless chat=False) or token ids. `stream`
+        gets text pieces.
+
+        temperature 0 (default) is greedy. temperature > 0 samples from softmax(logits /
+        temperature) cut to the top_k tokens (0: all) and then to the top_p probability mass
+        (1.0: all), with noise keyed on (seed, output position): an exact sample, reproducible
+        from the seed, whatever trees the policy picks (runtime/sampling.py).
 
         Context window: the KV cache holds `model.max_seq_len` positions, and a decode needs room
         for the prompt, `max_new_tokens` and the bank's largest tree. By default (truncate=None) a
@@ -183,6 +194,7 @@ class EntMTP:
         `max_new_tokens` so large that not even one prompt token fits raises ValueError naming
         the capacity, whatever `truncate` says. An empty prompt raises ValueError.
         """
+        sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate)
         on_tokens = None
         if stream is not None:
@@ -202,22 +214,34 @@ class EntMTP:
                 stream(text[printed[0]:])
                 printed[0] = len(text)
 
-        res = self.decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens)
+        res = self.decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens,
+                                    sampler=sampler)
         text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
         if stream is not None and len(text) > printed[0]:
             stream(text[printed[0]:])  # what was held back (generation stopped mid-character)
         stats = res.stats()
         stats["trees_used"] = {self.bank.trees[k].num_nodes: n for k, n in stats["trees_used"].items()}
+        stats["sampling"] = sampler.config.to_dict()
         return Generation(text=text, tokens=res.tokens, stats=stats, result=res)
 
-    def generate_ar(self, prompt: str | Sequence[int], max_new_tokens: int = 128, chat: bool = True) -> Generation:
-        """Plain greedy autoregressive decoding on the same model, for comparison."""
+    def generate_ar(self, prompt: str | Sequence[int], max_new_tokens: int = 128, chat: bool = True,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Generation:
+        """Plain autoregressive decoding on the same model, for comparison (greedy, or seeded
+        sampling with the same arguments and meaning as `generate`)."""
         from runtime.generate import ar_generate
 
+        sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         ids = self.encode(prompt, chat)
+<<<<<<< HEAD
         t0 = clock(self.model.device)
         toks = ar_generate(self.model, ids, max_new_tokens)
         dt = clock(self.model.device) - t0
+=======
+        t0 = time.perf_counter()
+        toks = ar_generate(self.model, ids, max_new_tokens, sampler=sampler)
+        dt = time.perf_counter() - t0
+>>>>>>> sample
         text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
         return Generation(text=text, tokens=toks, stats={"new_tokens": len(toks), "tok_per_s": round(len(toks) / dt, 2),
-                                                          "tokens_per_step": 1.0})
+                                                          "tokens_per_step": 1.0,
+                                                          "sampling": sampler.config.to_dict()})

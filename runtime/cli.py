@@ -21,12 +21,13 @@ def _generate(args: argparse.Namespace) -> int:
     engine = EntMTP.load(args.bank, model_dir=args.model, heads_dir=args.heads, dtype=args.dtype, force=args.force,
                          device=args.device)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     out = engine.generate(prompt, args.max_new_tokens, policy=args.policy, chat=not args.raw,
-                          stream=lambda s: print(s, end="", flush=True))
+                          stream=lambda s: print(s, end="", flush=True), **sampling)
     print()
     print(f"\n[entmtp] {json.dumps(out.stats)}", file=sys.stderr)
     if args.compare_ar:
-        ar = engine.generate_ar(prompt, args.max_new_tokens, chat=not args.raw)
+        ar = engine.generate_ar(prompt, args.max_new_tokens, chat=not args.raw, **sampling)
         same = "identical" if ar.tokens == out.tokens else "DIFFERENT (see README: floating-point ties)"
         print(f"[entmtp] AR {ar.stats['tok_per_s']} tok/s vs EntMTP {out.stats['tok_per_s']} tok/s "
               f"({out.stats['tok_per_s'] / ar.stats['tok_per_s']:.2f}x); output {same}", file=sys.stderr)
@@ -71,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--policy", default=None, help="static | ladder | hysteresis | expected_throughput | a tree index")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 = seeded sampling, token-identical to seeded AR")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="then among the smallest set with this probability (1 = all)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same output")
     g.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print both speeds")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--model", default=None, help="model folder (default: the bank's)")

@@ -6,12 +6,14 @@ One step, with the KV cache holding every committed position before `pos` and th
 1. pick a tree (an index into precompiled `TreeBuffers`: switching costs nothing),
 2. the heads draft the tree's tokens from the context vector `h` of the previous position,
 3. the base model verifies all nodes in one call with the tree's ancestor mask,
-4. accept the longest path whose every token the base model agrees with (greedy: equal to the
-   parent's argmax; typical: probable enough under the parent's distribution),
+4. accept the longest path whose every token the base model agrees with (exact: equal to the
+   parent's next token as the `Sampler` picks it, argmax at temperature 0, a sample keyed on the
+   output position above; typical: probable enough under the parent's distribution),
 5. emit the accepted drafts plus one bonus token from the last accepted node, and compact the
    KV cache to the accepted path (one gather over all layers).
 
-Under greedy acceptance the output is token-identical to greedy autoregressive decoding, for any
+Under exact ("greedy") acceptance the output is token-identical to autoregressive decoding with
+the same sampler (greedy, or seeded sampling at temperature > 0: see runtime/sampling.py), for any
 tree and any per-step choice of tree (up to floating-point ties in an argmax).
 """
 
@@ -28,6 +30,7 @@ from runtime.device import clock
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
 from runtime.policy import SIGNALS, Scheduler
+from runtime.sampling import RowPositions, Sampler
 from runtime.tree import TreeBuffers
 
 # names of the signals for which the decoder runs the heads' greedy chain every step (see
@@ -100,7 +103,8 @@ class GenerationResult:
 
 
 class TreeDecoder:
-    """Greedy (or typical) tree speculative decoding over a fixed list of compiled trees."""
+    """Exact (greedy or seeded-sampling) or typical tree speculative decoding over a fixed list of
+    compiled trees."""
 
     def __init__(
         self,
@@ -126,14 +130,17 @@ class TreeDecoder:
         heads.bind(model)
 
     # ----------------------------------------------------------------------------------------
-    def _accept(self, buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accept(self, buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None,
+                sampler: Sampler, first_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The deepest node whose whole path the base model accepts, and the bonus token after it,
         both as int64 [1] tensors on the device (nothing is read on the host here).
 
-        tokens [N] are the drafted tokens (index 0 the root), logits [N, V] the verify forward's."""
+        tokens [N] are the drafted tokens (index 0 the root), logits [N, V] the verify forward's;
+        `first_position` is the output position the root's row predicts (tokens emitted so far)."""
         if self.acceptance == "greedy":
-            next_tokens = logits.argmax(dim=-1)      # [N]: the base model's token after each node
+            # [N]: the base model's token after each node (argmax, or its keyed sample); a depth-d
+            # node predicts output position first_position + d
+            next_tokens = sampler.next_tokens(logits, RowPositions(first_position, buf.depths, buf.depth + 1))
             ok = tokens == next_tokens[buf.parent_index]
             bonus_row = next_tokens
         else:
@@ -142,16 +149,14 @@ class TreeDecoder:
             ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
             thresh = torch.clamp(cfg.alpha * torch.exp(-ent), max=cfg.epsilon)
             ok = probs[buf.parent_index, tokens] > thresh[buf.parent_index]
-            bonus_row = None
+            # the next root is the base model's argmax after the accepted node, as the published
+            # Hydra/Medusa code chooses it under typical acceptance (it is not sampled)
+            bonus_row = logits.argmax(dim=-1)
         ok[0] = True
         # a node counts only when it and every ancestor are accepted: its mask row lists exactly those
         accepted = ~(buf.attn_mask & ~ok).any(dim=-1)
         best = torch.where(accepted, buf.depths, -1).argmax(dim=0, keepdim=True)  # deepest; first on ties
-        if bonus_row is not None:
-            bonus = bonus_row.index_select(0, best)
-        else:
-            p = torch.softmax(logits.index_select(0, best) / self.acceptance.temperature, dim=-1)
-            bonus = torch.multinomial(p, 1, generator=gen)[0]
+        bonus = bonus_row.index_select(0, best)
         return best, bonus
 
     @torch.inference_mode()
@@ -162,16 +167,22 @@ class TreeDecoder:
         choose: Scheduler | int = 0,
         eos_ids: Sequence[int] | None = None,
         stream: Callable[[list[int]], None] | None = None,
+        sampler: Sampler | None = None,
     ) -> GenerationResult:
         """Decode up to `max_new_tokens` new tokens after `input_ids`.
 
         `choose` is a fixed tree index or a `Scheduler` (a policy and its signal) that picks the
-        tree before every step. `stream` receives each step's emitted tokens.
+        tree before every step. `stream` receives each step's emitted tokens. `sampler` picks
+        every emitted token (default: greedy); the output equals `ar_generate` with the same sampler.
 
         A step waits for the device once: when its emitted tokens (and, for signals that read the
         base logits, two statistics of the last accepted row) come to the host in one transfer.
         Signals that read the heads (`HEAD_SIGNALS`) add one more, before the tree is chosen.
         """
+        sampler = sampler if sampler is not None else Sampler()
+        if not sampler.greedy and self.acceptance != "greedy":
+            raise ValueError("typical acceptance samples on its own (TypicalAcceptance.temperature/seed); "
+                             "give a sampler only with acceptance='greedy'")
         if len(input_ids) == 0:
             raise ValueError("empty prompt: give at least one token")
         if max_new_tokens < 1:
@@ -211,7 +222,7 @@ class TreeDecoder:
         logits, hidden = model(ids, prompt_pos, last_only=True)
         h = heads.observe(hidden, prompt_pos)
         last = logits[0, -1]
-        root = int(last.argmax())
+        root = int(sampler.next_tokens(last[None], RowPositions(0, self._offsets[:1], 1))[0])
         p0 = entropy = math.nan
         if reads_logits:
             p0, entropy = _top1_and_entropy(last)
@@ -235,7 +246,7 @@ class TreeDecoder:
             start = model.cache_len
             tokens = heads.propose(h, root, buf)
             logits, hidden = model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False)
-            best, bonus = self._accept(buf, tokens, logits[0], gen)
+            best, bonus = self._accept(buf, tokens, logits[0], gen, sampler, len(result.tokens))
             path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
             # move the path's K/V to the front now (all D+1 slots; the padding is cut below)
             model.compact_cache(start, path)

@@ -1,4 +1,5 @@
-"""Plain autoregressive (AR) greedy decoding: the baseline every speculative decode must equal.
+"""Plain autoregressive (AR) decoding, greedy or seeded sampling: the baseline every speculative
+decode must equal.
 
 Also a small command line (`python -m runtime.generate`) that streams a greedy continuation of a raw prompt.
 """
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from runtime.model import Transformer, load_model, load_tokenizer
+from runtime.sampling import RowPositions, Sampler
 
 __all__ = ["ar_generate", "load_model", "load_tokenizer", "main"]
 
@@ -39,10 +41,12 @@ def check_prompt(model: Transformer, input_ids: list[int], max_new_tokens: int) 
 @torch.inference_mode()
 def ar_generate(model: Transformer, input_ids: list[int], max_new_tokens: int,
                 eos_ids: Iterable[int] | None = None,
-                stream: Callable[[int], None] | None = None) -> list[int]:
-    """Greedy continuation of `input_ids`: the new tokens only, stopping after an EOS (included) or
+                stream: Callable[[int], None] | None = None, sampler: Sampler | None = None) -> list[int]:
+    """Continuation of `input_ids` (greedy unless `sampler` says otherwise): the new tokens only, stopping after an EOS (included) or
     `max_new_tokens`. `eos_ids` defaults to the model's; pass () to never stop early. `stream`, if
-    given, is called with each token as soon as it is chosen. Resets the model's KV cache."""
+    given, is called with each token as soon as it is chosen. `sampler`, if given and not greedy,
+    picks the token at output position t (t = 0 for the first new token) with seeded sampling
+    (runtime/sampling.py). Resets the model's KV cache."""
     input_ids = [int(t) for t in input_ids]
     check_prompt(model, input_ids, max_new_tokens)
     stop = set(model.args.eos_token_ids if eos_ids is None else (int(t) for t in eos_ids))
@@ -56,8 +60,13 @@ def ar_generate(model: Transformer, input_ids: list[int], max_new_tokens: int,
     # reused one-element inputs: the per-token path should allocate as little as possible
     token = torch.empty(1, 1, dtype=torch.long, device=device)
     pos = torch.empty(1, dtype=torch.long, device=device)
+    sampled = sampler is not None and not sampler.greedy
+    row_offset = torch.zeros(1, dtype=torch.long, device=device)
     while True:
-        nxt = int(logits[0, -1].argmax())  # ties go to the lowest id, as in transformers
+        if sampled:
+            nxt = int(sampler.next_tokens(logits[0, -1:], RowPositions(len(out), row_offset, 1))[0])
+        else:
+            nxt = int(logits[0, -1].argmax())  # ties go to the lowest id, as in transformers
         out.append(nxt)
         if stream is not None:
             stream(nxt)

@@ -124,7 +124,7 @@ def test_streaming_holds_back_split_characters(engine, monkeypatch: pytest.Monke
     for chunk in (1, 2, 3):
         steps = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
 
-        def fake_generate(input_ids, max_new_tokens, choose=0, eos_ids=None, stream=None, _steps=steps):
+        def fake_generate(input_ids, max_new_tokens, choose=0, eos_ids=None, stream=None, sampler=None, _steps=steps):
             for s in _steps:
                 if stream:
                     stream(list(s))
