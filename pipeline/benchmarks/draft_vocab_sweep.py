@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--e2e-arithmetics", nargs="*", default=["float32"])
     ap.add_argument("--e2e-prompts", type=int, default=1)
     ap.add_argument("--e2e-tokens", type=int, default=64)
+    ap.add_argument("--freq-prompts-per-task", type=int, default=FrequencySettings.prompts_per_task)
+    ap.add_argument("--freq-new-tokens", type=int, default=FrequencySettings.max_new_tokens)
     ap.add_argument("--freq", default=None, help="a `pipeline.draft_vocab` frequencies folder (default: build/reuse it)")
     ap.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                     help="cpu: the process's CPU time (use with --threads 1 on a shared machine)")
@@ -302,19 +304,21 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     mach = machine_info()
     print(f"[sweep] machine: {mach['cpu']}, {mach.get('cores')} cores, {mach['torch_threads']} threads, torch {mach['torch']}")
+    calib = {t: [r["input_ids"] for r in read_split(Path(args.data), t, "calib", limit=args.calib_prompts)] for t in args.tasks}
+    # the measuring text first: it does not depend on the vocabulary, which may still be building
+    texts = {t: own_continuations(model, p, args.new_tokens) for t, p in calib.items()} if "quality" not in args.skip else {}
+    settings = FrequencySettings(prompts_per_task=args.freq_prompts_per_task, max_new_tokens=args.freq_new_tokens)
     freq_dir = Path(args.freq) if args.freq else token_frequencies(model_dir, Path(args.data),
-                                                                   ROOT / "artifacts/cache/draft_vocab", FrequencySettings())
+                                                                   ROOT / "artifacts/cache/draft_vocab", settings)
     ranking = read_frequencies(freq_dir, model.args.vocab_size)["ranking"]
     fulls = {}
     for kind in args.kinds:
         fulls[kind] = load_heads(heads_root / kind, model=model)
 
-    calib = {t: [r["input_ids"] for r in read_split(Path(args.data), t, "calib", limit=args.calib_prompts)] for t in args.tasks}
     quality: list[dict] = []
     timing: list[dict] = []
     e2e: list[dict] = []
     if "quality" not in args.skip:
-        texts = {t: own_continuations(model, p, args.new_tokens) for t, p in calib.items()}
         for kind, full in fulls.items():
             quality += quality_rows(model, kind, full, ranking, args.sizes, arithmetics, texts)
         write_csv(out / "quality.csv", quality)
