@@ -180,6 +180,14 @@ def draft_vocab_heads(full: DraftHeads, ranking: np.ndarray | torch.Tensor, size
     return heads.eval().requires_grad_(False)
 
 
+def _shown(folder: Path) -> str:
+    """A folder as recorded in a manifest: relative to the repository when inside it (portable)."""
+    try:
+        return str(folder.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(folder.resolve())
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -200,9 +208,9 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
     stored_dtype = json.loads((full_dir / CONFIG_FILE).read_text())["dtype"]
     key = {
         "version": FREQ_VERSION, "draft_vocab_size": int(size), "draft_dtype": draft_dtype,
-        "full_heads": {"folder": str(full_dir), "weights_sha256": _sha256(full_dir / WEIGHTS_FILE),
+        "full_heads": {"folder": _shown(full_dir), "weights_sha256": _sha256(full_dir / WEIGHTS_FILE),
                        "config_sha256": _sha256(full_dir / CONFIG_FILE)},
-        "frequencies": {"folder": str(freq_dir), "sha256": _sha256(freq_dir / FREQ_FILE),
+        "frequencies": {"folder": _shown(freq_dir), "sha256": _sha256(freq_dir / FREQ_FILE),
                         "key": freq_manifest.get("key")},
     }
 
