@@ -14,7 +14,14 @@ argmax is the root token x_{t+1}, and predicts x_{t+1+d}:
 ResBlock(x) = residual(x) + SiLU(W x + b), W zero-initialised, so a fresh block is its residual
 map. The output layer is `shared` (the base lm_head, frozen and never saved: keeps the heads
 small enough to ship in git), `own` (Linear dim->V per head, initialised from the base lm_head)
-or `draft` (Linear dim->V_draft per head plus an id map to base ids, EAGLE-3 style).
+or `draft` (Linear dim->V_draft per head plus an id map to base ids, EAGLE-3 style). `shared`
+with a `draft_vocab_size` uses only the base lm_head rows of the V_draft ids in the saved id map
+(FR-Spec style: a frequency-ranked draft vocabulary needs no retraining and adds only the ids to
+the folder).
+
+Drafting need not be exact (verification keeps decoding lossless), so at inference the output
+product may run in cheaper arithmetic than the base model (`draft_dtype`: bfloat16, or int8 with
+dynamic activation quantisation); training always uses the exact product.
 
 The heads' own files are `config.json` + `heads.safetensors` (see `save_heads`/`load_heads`);
 published Hydra/Medusa checkpoints are read by `runtime.published`.
@@ -34,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.io import atomic_write_bytes
-from runtime.model import ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
+from runtime.model import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
 from runtime.tree import TreeBuffers
 
 KINDS = ("hydra", "medusa")
@@ -44,6 +51,8 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# arithmetic of the drafting output product; None = the heads' own dtype, "auto" = measured
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 @dataclass
@@ -55,7 +64,8 @@ class HeadsConfig:
     num_layers: int = 1               # ResBlocks per head
     prefix_layer: bool = False        # Hydra++: one decoder layer over the base hidden states
     output: str = "shared"            # "shared" | "own" | "draft"
-    draft_vocab_size: int | None = None  # V_draft, only for output="draft"
+    draft_vocab_size: int | None = None  # V_draft: output="draft", or "shared" restricted to draft ids
+    draft_dtype: str | None = None    # drafting output product: None (heads' dtype) | DRAFT_DTYPES
     output_bias: bool | None = None   # bias of own/draft output layers; None = Hydra yes, Medusa no
     dropout: float = 0.0              # training only (Hydra uses 0.2); inert at inference
     base_fingerprint: str | None = None  # weights fingerprint of the base model the heads were trained on
@@ -70,12 +80,15 @@ class HeadsConfig:
             raise ValueError(f"HeadsConfig.kind must be one of {KINDS}, got {self.kind!r}")
         if self.output not in OUTPUTS:
             raise ValueError(f"HeadsConfig.output must be one of {OUTPUTS}, got {self.output!r}")
-        if self.output == "draft":
-            v = self.draft_vocab_size
+        v = self.draft_vocab_size
+        if self.output == "draft" or (self.output == "shared" and v is not None):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= self.vocab_size:
-                raise ValueError(f"output='draft' needs draft_vocab_size in [1, vocab_size={self.vocab_size}], got {v!r}")
-        elif self.draft_vocab_size is not None:
-            raise ValueError(f"draft_vocab_size is only meaningful with output='draft' (output is {self.output!r}); set it to null")
+                raise ValueError(f"output={self.output!r} needs draft_vocab_size in [1, vocab_size={self.vocab_size}], got {v!r}")
+        elif v is not None:
+            raise ValueError(f"draft_vocab_size is only meaningful with output='draft' or 'shared' (output is "
+                             f"{self.output!r}); set it to null")
+        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"HeadsConfig.draft_dtype must be null or one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
         if self.output_bias is None:
             self.output_bias = self.kind == "hydra" and self.output != "shared"
         if self.output == "shared" and self.output_bias:
@@ -257,13 +270,16 @@ class DraftHeads(nn.Module):
             Head((d + 1) * dim if c.kind == "hydra" else dim, dim, c.num_layers, out_dim, bool(c.output_bias))
             for d in range(1, c.num_heads + 1)
         )
-        if c.output == "draft":
+        if c.draft_vocab_size is not None:
             # base id of each draft-vocabulary entry (filled by training or by loading)
             self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_ids = None
         self.dropout = nn.Dropout(c.dropout)
         self._base: _BaseRefs | None = None
+        # the drafting output product, built on first use (see `draft_output`): not a submodule,
+        # so it is never saved, cast or trained
+        self._draft_out: _DraftOutput | None = None
 
     # -- binding and state ----------------------------------------------------------------------
 
@@ -286,6 +302,7 @@ class DraftHeads(nn.Module):
             raise ValueError(f"heads were built for hidden_size={c.hidden_size}, vocab_size={c.vocab_size} but the "
                              f"model has dim={a.dim}, vocab_size={a.vocab_size}: these heads belong to another model")
         self._base = _BaseRefs(model.tok_embeddings, model.output)
+        self._draft_out = None
         if self.prefix is not None:
             slots = getattr(model, "max_seq_len", 0) or a.max_position_embeddings
             self.prefix.setup_cache(int(slots))
@@ -312,6 +329,7 @@ class DraftHeads(nn.Module):
         if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"draft ids must be distinct base ids in [0, {self.config.vocab_size})")
         self.draft_ids.copy_(ids.to(self.draft_ids.device))
+        self._draft_out = None
 
     def reset(self) -> None:
         """Forget every observed position (start of a new sequence)."""
@@ -389,10 +407,15 @@ class DraftHeads(nn.Module):
         x = self.dropout(states)
         if self.config.output == "shared":
             lm_head = self._refs().lm_head
-            # through the module, on 2-D rows: the base model's CPU fast paths (runtime.model.Linear)
-            # then apply to drafting too, where this product is most of a head's cost
-            flat = x.to(lm_head.weight.dtype).reshape(-1, x.shape[-1])
-            return lm_head(flat).reshape(*x.shape[:-1], -1)
+            if self.training or torch.is_grad_enabled() or (self.draft_ids is None and self.config.draft_dtype is None):
+                # exact product through the module, on 2-D rows: the base model's CPU fast paths
+                # (runtime.model.Linear) then apply to drafting too, where it is most of a head's cost
+                flat = x.to(lm_head.weight.dtype).reshape(-1, x.shape[-1])
+                logits = lm_head(flat).reshape(*x.shape[:-1], -1)
+                if self.draft_ids is not None:
+                    logits = logits.index_select(-1, self.draft_ids.to(logits.device))
+                return logits
+            return self.draft_output()(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         k = states.shape[-2]
         return torch.stack([self.heads[first_head - 1 + j].out(x[..., j, :]) for j in range(k)], dim=-2)
 
@@ -402,13 +425,32 @@ class DraftHeads(nn.Module):
         x = self.dropout(states)
         if self.config.output == "shared":
             w = self._refs().lm_head.weight
-            return x.to(w.dtype) @ w[candidates.to(w.device)].T
+            rows = candidates.to(w.device)
+            if self.draft_ids is not None:
+                rows = self.draft_ids.to(w.device)[rows]
+            return x.to(w.dtype) @ w[rows].T
         outs = []
         for j in range(states.shape[-2]):
             out = self.heads[j].out
             b = None if out.bias is None else out.bias[candidates]
             outs.append(F.linear(x[..., j, :], out.weight[candidates], b))
         return torch.stack(outs, dim=-2)
+
+    def draft_output(self) -> _DraftOutput:
+        """The inference-time output product of a shared output layer: the base lm_head rows of
+        the draft vocabulary (all rows without one) in the arithmetic `config.draft_dtype` names,
+        built on first use and rebuilt when the heads or the bound model move or change dtype."""
+        lm_head = self._refs().lm_head
+        w = lm_head.weight
+        key = (w.data_ptr(), w.dtype, w.device, self.dtype, self.config.draft_dtype,
+               None if self.draft_ids is None else self.draft_ids.data_ptr())
+        if self._draft_out is None or self._draft_out.key != key:
+            rows = w.detach() if self.draft_ids is None else w.detach()[self.draft_ids.to(w.device)]
+            arith = self.config.draft_dtype
+            if arith == "auto":
+                arith = choose_draft_dtype(rows.shape[0], rows.shape[1], w.device, w.dtype)
+            self._draft_out = _DraftOutput(rows, arith, key)
+        return self._draft_out
 
     def to_base_logits(self, logits: Tensor) -> Tensor:
         """Map draft-vocabulary logits [..., V_draft] to base-vocabulary ones (-inf elsewhere)."""
@@ -474,6 +516,104 @@ class DraftHeads(nn.Module):
             if d < depth:
                 inputs = torch.cat([inputs.index_select(0, buffers.parent_slots[d - 1]), self.embed(tok)], dim=-1)
         return tokens
+
+
+class _DraftOutput:
+    """The drafting output product y = x W^T for output rows W [V_out, dim] in one arithmetic:
+
+    * None: W's own dtype, with runtime.model.Linear's CPU float32 fast paths;
+    * "float32": the same in float32;
+    * "bfloat16": W in bfloat16, activations cast (exact to ~3 significant digits);
+    * "int8": W quantised per output row to int8, activations quantised per call (torch's dynamic
+      quantised Linear, fbgemm/x86 kernels; CPU only).
+    Logits come back as float32 except for None, which keeps W's dtype (as the base lm_head does)."""
+
+    def __init__(self, rows: Tensor, arithmetic: str | None, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self.arithmetic = arithmetic
+        dim = rows.shape[1]
+        if arithmetic == "int8":
+            if rows.device.type != "cpu":
+                raise ValueError(f"draft_dtype='int8' runs on the CPU only (heads are on {rows.device}); "
+                                 "use 'bfloat16', 'float32' or 'auto'")
+            self.layer = _int8_linear(rows)
+        elif arithmetic == "bfloat16":
+            self.weight = rows.to(torch.bfloat16).contiguous()
+        else:
+            dtype = rows.dtype if arithmetic is None else torch.float32
+            with torch.device("meta"):  # no throw-away random init of a V_out x dim matrix
+                self.layer = Linear(dim, rows.shape[0], bias=False)
+            self.layer.weight = nn.Parameter(rows.to(dtype).contiguous(), requires_grad=False)
+            if rows.device.type == "cpu" and dtype == torch.float32:
+                self.layer.add_fast_paths()
+            self.layer.requires_grad_(False)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """Logits [n, V_out] for rows x [n, dim]."""
+        if self.arithmetic == "bfloat16":
+            return F.linear(x.to(torch.bfloat16), self.weight).float()
+        if self.arithmetic == "int8":
+            return self.layer(x.float())
+        return self.layer(x.to(self.layer.weight.dtype))
+
+
+def _int8_linear(rows: Tensor) -> nn.Module:
+    """torch's dynamic int8 Linear over rows [V_out, dim] (per-row weight scales)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with torch.device("meta"):
+        lin = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    lin.weight = nn.Parameter(rows.detach().float().contiguous(), requires_grad=False)
+    with warnings.catch_warnings():  # torch announces the eager API's move to torchao on every call
+        warnings.simplefilter("ignore")
+        q = quantize_dynamic(nn.Sequential(lin), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    return q.eval()
+
+
+def draft_arithmetics(device: torch.device) -> list[str]:
+    """The drafting arithmetics that run on `device` here (int8 needs torch's x86/fbgemm CPU kernels)."""
+    out = ["float32", "bfloat16"]
+    if device.type == "cpu" and {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):
+        out.append("int8")
+    return out
+
+
+_DRAFT_DTYPE_CHOICE: dict[tuple[Any, ...], str] = {}
+
+
+def choose_draft_dtype(v_out: int, dim: int, device: torch.device, base_dtype: torch.dtype,
+                       repeats: int = 15) -> str:
+    """`draft_dtype: auto`: the fastest drafting arithmetic for a [v_out, dim] output product on
+    this machine, timed on random weights at 1 and 4 rows (a Hydra depth with one parent, a
+    Medusa tree's heads) with interleaved repeats, medians; measured once per process and shape.
+    Any choice keeps decoding lossless; only the drafts, and so the acceptance, can change."""
+    import time
+
+    key = (v_out, dim, str(device), base_dtype)
+    if key in _DRAFT_DTYPE_CHOICE:
+        return _DRAFT_DTYPE_CHOICE[key]
+    gen = torch.Generator().manual_seed(0)
+    rows = (torch.randn(v_out, dim, generator=gen) / math.sqrt(dim)).to(device=device, dtype=base_dtype)
+    layers = {a: _DraftOutput(rows, a, ()) for a in draft_arithmetics(device)}
+    inputs = [torch.randn(n, dim, generator=gen).to(device=device, dtype=base_dtype) for n in (1, 4)]
+    times: dict[str, list[float]] = {a: [] for a in layers}
+    with torch.inference_mode():
+        for layer in layers.values():  # warm-up (first calls allocate and pick kernels)
+            for x in inputs:
+                layer(x)
+        for _ in range(repeats):
+            for a, layer in layers.items():
+                t0 = time.perf_counter()
+                for x in inputs:
+                    layer(x)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[a].append(time.perf_counter() - t0)
+    best = min(times, key=lambda a: sorted(times[a])[len(times[a]) // 2])
+    _DRAFT_DTYPE_CHOICE[key] = best
+    return best
 
 
 def _check_hidden(hidden: Tensor, input_pos: Tensor, dim: int) -> None:
