@@ -105,7 +105,7 @@ def token_frequencies(model_dir: Path, data_dir: Path, out_root: Path, s: Freque
     """Generate and count the model's greedy continuations of train prompts; write
     `<out_root>/<model>/freq-<key>/frequencies.safetensors` (emitted, candidate_mass, ranking)
     with a manifest of where they came from. Skipped when up to date."""
-    from pipeline.train_heads import generate_batch  # the heads stage's batched greedy generation
+    from pipeline.heads.distill import generate_batch  # the heads stage's batched greedy generation
 
     s = s or FrequencySettings()
     model_dir, data_dir = Path(model_dir), Path(data_dir)
