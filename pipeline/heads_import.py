@@ -88,39 +88,32 @@ def _base_embeddings(model_dir: Path) -> Tensor:
     raise ValueError(f"{model_dir} has no {key} in its safetensors; is it a Llama-family model folder?")
 
 
-def check_embeddings_match(checkpoint: Path, model_dir: Path) -> bool:
+def _read_checkpoint(checkpoint: Path) -> dict[str, Tensor]:
+    if checkpoint.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(checkpoint))
+    return load_torch_weights(checkpoint)
+
+
+def check_embeddings_match(state: dict[str, Tensor], model_dir: Path, where: Path) -> bool:
     """Compare the copy of the base embeddings a published Hydra file carries with the model's.
     False when the file carries none (Medusa; Hydra checkpoints saved without it)."""
-    if checkpoint.suffix != ".pt":
-        return False
-    stored = load_torch_weights(checkpoint).get("input_embed_fn.weight")
+    stored = state.get("input_embed_fn.weight")
     if stored is None:
         return False
     ours = _base_embeddings(model_dir)
     if stored.shape != ours.shape or not torch.allclose(stored.float(), ours.float(), rtol=1e-2, atol=1e-3):
-        raise ValueError(f"{checkpoint}: the base token embeddings stored with the heads differ from those of "
+        raise ValueError(f"{where}: the base token embeddings stored with the heads differ from those of "
                          f"{model_dir}; these heads were trained for another base model")
     return True
 
 
-def _stored_dtype(checkpoint: Path) -> torch.dtype:
-    """The floating dtype the published weights were saved in (the converted heads keep it)."""
-    if checkpoint.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(checkpoint), framework="pt") as st:
-            dtypes = {st.get_slice(k).get_dtype() for k in st.keys()}  # noqa: SIM118
-        names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-        found = [names[d] for d in dtypes if d in names]
-    else:
-        found = [v.dtype for v in load_torch_weights(checkpoint).values() if v.is_floating_point()]
-    if not found:
-        return torch.float32
-    # mixed files (e.g. fp32 norms beside fp16 matrices) are saved in the widest of their dtypes
-    for d in (torch.float32, torch.bfloat16, torch.float16):
-        if d in found:
-            return d
-    return torch.float32
+def stored_dtype(state: dict[str, Tensor]) -> torch.dtype:
+    """The floating dtype the published weights were saved in (the converted heads keep it); for
+    mixed files (e.g. fp32 norms beside fp16 matrices) the widest of them."""
+    found = {v.dtype for v in state.values() if v.is_floating_point()}
+    return next((d for d in (torch.float32, torch.bfloat16, torch.float16) if d in found), torch.float32)
 
 
 def convert_published(src: Path, model_dir: Path, out: Path) -> dict[str, Any]:
@@ -140,9 +133,11 @@ def convert_published(src: Path, model_dir: Path, out: Path) -> dict[str, Any]:
     if (c.hidden_size, c.vocab_size) != (args.dim, args.vocab_size):
         raise ValueError(f"{checkpoint}: heads for hidden size {c.hidden_size} and vocabulary {c.vocab_size}, but the "
                          f"base model in {model_dir} has {args.dim} and {args.vocab_size}: they belong to another model")
-    embeddings_checked = check_embeddings_match(checkpoint, model_dir)
+    raw = _read_checkpoint(checkpoint)
+    embeddings_checked = check_embeddings_match(raw, model_dir, checkpoint)
+    dtype = stored_dtype(raw)
+    del raw
     c.base_fingerprint = weights_fingerprint(model_dir)
-    dtype = _stored_dtype(checkpoint)
     save_heads(heads, out, dtype=dtype)
     src_cfg = _read_json(src / "config.json")
     return {
