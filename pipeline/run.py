@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_write_json, hash_obj, is_up_to_date, machine_info, read_json, run_stage
-from pipeline.model import model_fingerprint, provision_model
+from pipeline.model import model_fingerprint, provision_model, resolve_max_seq_len
 from pipeline.paths import Layout
 from runtime.fingerprint import heads_fingerprint
 
@@ -80,10 +80,10 @@ def stage_heads(cfg: DictConfig) -> Path:
     model_dir = stage_model(cfg)
     hc = _c(cfg.heads)
     if hc.get("dir"):
-        d = Path(hc["dir"])
-        if not (d / "config.json").is_file():
-            raise SystemExit(f"heads.dir={d} holds no heads (config.json + heads.safetensors)")
-        return d
+        from pipeline.heads_import import import_heads
+
+        # project heads are used as they are; published Hydra/Medusa folders are converted once
+        return import_heads(hc["dir"], model_dir, Layout.from_cfg(cfg).heads_dir(), force=_force(cfg, "heads"))
     for task in TRAIN_TASKS:  # the training mix reads every task's train pool
         prepare_task(load_task_config(task), _c(cfg.profile), model_dir, Path(cfg.data_dir))
     return train_heads(hc, model_dir, Path(cfg.data_dir), Path(cfg.artifacts_dir), force=_force(cfg, "heads"))
@@ -140,7 +140,7 @@ def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, 
 def load_runtime(cfg: DictConfig, heads_name: str | None = None):
     lay = Layout.from_cfg(cfg)
     heads_dir = stage_heads(cfg) if heads_name is None else lay.heads_dir(heads_name)
-    return _load_runtime(str(stage_model(cfg)), str(heads_dir), resolve_dtype(cfg), int(cfg.model.max_seq_len), cfg.threads,
+    return _load_runtime(str(stage_model(cfg)), str(heads_dir), resolve_dtype(cfg), resolve_max_seq_len(_c(cfg.model), stage_model(cfg)), cfg.threads,
                          str(cfg.device))
 
 
