@@ -32,6 +32,7 @@ from runtime.model import ModelArgs
 from runtime.published import HYDRA_WEIGHTS, MEDUSA_WEIGHTS, load_published, load_torch_weights
 
 PUBLISHED_KINDS = ("hydra", "medusa")
+STAGE = "heads_import"   # the manifest's stage name: marks a folder this module may rebuild
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -166,6 +167,10 @@ def import_heads(src: str | Path, model_dir: str | Path, out: str | Path, force:
             raise FileNotFoundError(f"heads.dir={src} has a project config.json but no heads.safetensors")
         return src
     checkpoint = published_checkpoint(src, kind)
+    manifest = out / "manifest.json"
+    if out.exists() and (not manifest.is_file() or _read_json(manifest).get("stage") != STAGE):
+        raise ValueError(f"{out} holds other heads (trained or shipped, not converted from a published folder); "
+                         f"give the converted heads their own name, e.g. heads.name={out.name}_published")
     key = {
         "source": str(src.resolve()),
         "checkpoint": checkpoint.name,
@@ -173,7 +178,7 @@ def import_heads(src: str | Path, model_dir: str | Path, out: str | Path, force:
         "config_sha256": hash_bytes((src / "config.json").read_bytes()),
         "base_fingerprint": weights_fingerprint(model_dir),
     }
-    run_stage("heads", out, key, lambda tmp: convert_published(src, model_dir, tmp), force=force)
+    run_stage(STAGE, out, key, lambda tmp: convert_published(src, model_dir, tmp), force=force)
     return out
 
 

@@ -366,3 +366,14 @@ def test_shipped_heads_survive_the_published_hydra_layout(smollm2_dir, tmp_path,
     for prompt in [*PROMPTS, "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]:
         ids = tok.encode(prompt, add_special_tokens=False).ids
         assert _drafts(model, back, ids) == _drafts(model, heads, ids)
+
+
+def test_import_never_overwrites_trained_or_shipped_heads(own_model, tmp_path) -> None:
+    _, state, model_dir, _, _ = own_model
+    write_published_hydra(tmp_path / "pub", state, "mlp")
+    trained = tmp_path / "heads" / "hydra"
+    trained.mkdir(parents=True)
+    (trained / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="heads.name=hydra_published"):
+        import_heads(tmp_path / "pub", model_dir, trained)
+    assert (trained / "config.json").read_text() == "{}"
