@@ -157,7 +157,15 @@ def config_problems(cfg: DictConfig) -> list[str]:
     # ---- model
     source = c.choice("model.source", MODEL_SOURCES)
     c.choice("model.dtype", WEIGHT_DTYPES)
-    max_seq_len = c.int_at_least("model.max_seq_len", 2, " (the KV cache capacity in tokens)")
+    max_seq_len = c.int_at_least("model.max_seq_len", 2, " (the KV cache capacity in tokens), or null for the "
+                                 "model's max_position_embeddings", optional=True)
+    template = c.get("model.chat_template")
+    if template is not None:
+        from pipeline.chat_templates import template_choices
+
+        if template not in template_choices():
+            c.add(f"model.chat_template={template!r} is not a known chat template; use one of: "
+                  f"{', '.join(template_choices())} (or null for the folder's own)")
     if source == "local":
         path = c.get("model.path")
         if path is not None:
@@ -166,11 +174,12 @@ def config_problems(cfg: DictConfig) -> list[str]:
                 c.add(f"model.path={path} is not a folder; point it at a Hugging Face model folder "
                       "(config.json, tokenizer.json, *.safetensors), e.g. model.path=artifacts/models/smollm2-135m-instruct")
             else:
-                need = [f for f in ("config.json", "tokenizer.json") if not (p / f).is_file()]
-                if not list(p.glob("*.safetensors")):
-                    need.append("*.safetensors")
-                if need:
-                    c.add(f"model.path={path} lacks {', '.join(need)}; point it at a complete Hugging Face model folder")
+                from pipeline.model import inspect_model_folder  # .bin shards / tokenizer.model are converted
+
+                if c.guard("model.path", lambda: inspect_model_folder(p)) is not None and max_seq_len is None:
+                    from pipeline.model import max_position_embeddings
+
+                    max_seq_len = max_position_embeddings(p)  # what null resolves to; checked below
     elif source == "gguf_package":
         name = c.get("model.name")
         converted = Path(str(c.get("artifacts_dir", "artifacts"))) / "models" / str(name) / "config.json"
@@ -196,7 +205,12 @@ def config_problems(cfg: DictConfig) -> list[str]:
     hdir = c.get("heads.dir")
     if hdir:
         if not (Path(str(hdir)) / "config.json").is_file():
-            c.add(f"heads.dir={hdir} holds no heads (config.json + heads.safetensors); fix the path or set heads.dir=null to train them")
+            c.add(f"heads.dir={hdir} holds no heads (config.json + heads.safetensors, or a published Hydra/Medusa "
+                  "folder); fix the path or set heads.dir=null to train them")
+        else:
+            from pipeline.heads_import import heads_folder_kind
+
+            c.guard("heads.dir", lambda: heads_folder_kind(Path(str(hdir))))
     elif c.get("heads.train") is not None:
         from pipeline.train_heads import TrainSettings
 
