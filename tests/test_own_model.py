@@ -377,3 +377,19 @@ def test_import_never_overwrites_trained_or_shipped_heads(own_model, tmp_path) -
     with pytest.raises(ValueError, match="heads.name=hydra_published"):
         import_heads(tmp_path / "pub", model_dir, trained)
     assert (trained / "config.json").read_text() == "{}"
+
+
+def test_bin_with_pickled_objects_is_refused(tmp_path) -> None:
+    from pipeline.model import convert_bin_weights
+
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2), "extra": Path("x")}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="pickled Python objects"):
+        convert_bin_weights([tmp_path / "pytorch_model.bin"], tmp_path / "out")
+
+
+def test_hub_unreachable_says_what_to_do(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = {"name": "vicuna", "source": "hub", "repo_id": "lmsys/vicuna-7b-v1.3", "revision": None}
+    with pytest.raises(RuntimeError, match=r"could not download 'lmsys/vicuna-7b-v1.3'.*model=local model.path="):
+        provision_model(cfg, tmp_path)
