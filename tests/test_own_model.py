@@ -400,3 +400,29 @@ def test_hub_unreachable_says_what_to_do(tmp_path, monkeypatch) -> None:
     cfg = {"name": "vicuna", "source": "hub", "repo_id": "lmsys/vicuna-7b-v1.3", "revision": None}
     with pytest.raises(RuntimeError, match=r"could not download 'lmsys/vicuna-7b-v1.3'.*model=local model.path="):
         provision_model(cfg, tmp_path)
+
+
+def test_startup_validation_accepts_own_model_and_published_heads(own_model, tmp_path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.validate import config_problems
+    from tests.helpers import REPO
+
+    src, state, _, _, _ = own_model
+    write_published_hydra(tmp_path / "pub", state, "prefix-mlp")
+
+    def problems(*extra: str) -> list[str]:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=["model=local", f"model.path={src}", f"heads.dir={tmp_path / 'pub'}",
+                                               f"artifacts_dir={tmp_path}", f"data_dir={tmp_path}", *extra])
+        return config_problems(cfg)
+
+    assert problems("model.chat_template=vicuna_v1.1", "profile.max_prompt_tokens=256") == []
+    assert any("model.chat_template='vicuna'" in p and "llama2" in p
+               for p in problems("model.chat_template=vicuna", "profile.max_prompt_tokens=256"))
+    # null max_seq_len resolves to the folder's max_position_embeddings, too small for the cpu profile
+    assert any(f"model.max_seq_len={POSITIONS} is too small" in p for p in problems("model.chat_template=vicuna_v1.1"))
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    (empty / "config.json").write_text((src / "config.json").read_text())
+    assert any("holds no weights" in p for p in problems(f"model.path={empty}", "profile.max_prompt_tokens=256"))
