@@ -426,3 +426,15 @@ def test_startup_validation_accepts_own_model_and_published_heads(own_model, tmp
     empty.mkdir()
     (empty / "config.json").write_text((src / "config.json").read_text())
     assert any("holds no weights" in p for p in problems(f"model.path={empty}", "profile.max_prompt_tokens=256"))
+
+
+def test_runtime_ready_folder_is_used_in_place_or_linked_with_another_template(own_model, tmp_path) -> None:
+    _, _, out, _, _ = own_model
+    cfg = {"name": "ready", "source": "local", "path": str(out), "max_seq_len": None}
+    assert provision_model({**cfg, "chat_template": None}, tmp_path) == out  # complete: used in place
+    linked = provision_model({**cfg, "chat_template": "chatml"}, tmp_path)
+    assert linked == tmp_path / "models" / "ready"
+    assert (linked / "chat_template.jinja").read_text() == CHAT_TEMPLATES["chatml"]
+    for f in out.glob("*.safetensors"):  # the weights are linked, not copied
+        assert (linked / f.name).samefile(f) or (linked / f.name).resolve() == f.resolve()
+    assert weights_fingerprint(linked) == weights_fingerprint(out)
