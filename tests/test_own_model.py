@@ -438,3 +438,15 @@ def test_runtime_ready_folder_is_used_in_place_or_linked_with_another_template(o
     for f in out.glob("*.safetensors"):  # the weights are linked, not copied
         assert (linked / f.name).samefile(f) or (linked / f.name).resolve() == f.resolve()
     assert weights_fingerprint(linked) == weights_fingerprint(out)
+
+
+def test_runtime_renders_the_chat_like_prepare(own_model) -> None:
+    """runtime.api.render_chat (no transformers) gives the prompt transformers renders, BOS included."""
+    from transformers import AutoTokenizer
+
+    from runtime.api import render_chat
+
+    _, _, out, _, _ = own_model
+    expected = AutoTokenizer.from_pretrained(str(out)).apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=False)
+    assert render_chat(out, PROMPTS[0]) == expected and expected.startswith("<s>")
