@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from runtime.fingerprint import files_fingerprint
+from runtime.fingerprint import file_sha256, files_fingerprint
 from runtime.io import atomic_write_bytes, fsync_dir
 
 __all__ = ["atomic_write_bytes", "atomic_write_json", "files_fingerprint", "fsync_dir"]  # re-exported for stages
@@ -152,11 +152,8 @@ def file_table(folder: str | Path) -> dict[str, dict[str, Any]]:
     table = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file() and not p.is_symlink() and p != folder / MANIFEST:
-            h = hashlib.sha256()
-            with open(p, "rb") as f:
-                while block := f.read(1 << 20):
-                    h.update(block)
-            table[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size, "sha256": h.hexdigest()}
+            # large files (a converted 7B model) are hashed once per stat signature, not at every check
+            table[p.relative_to(folder).as_posix()] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
     return table
 
 

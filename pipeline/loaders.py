@@ -12,7 +12,8 @@ import torch
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json, machine_info, read_json
-from pipeline.graph import once_per_config
+from pipeline.graph import once_per_config, plain
+from pipeline.model import resolve_max_seq_len
 from pipeline.paths import Layout
 from pipeline.stages import heads as heads_stage
 from pipeline.stages import model as model_stage
@@ -72,7 +73,8 @@ def load_runtime(cfg: DictConfig, heads_name: str | None = None):
     of the same model (the evaluate stage's Medusa baseline)."""
     lay = Layout.from_cfg(cfg)
     heads_dir = heads_stage.output(cfg) if heads_name is None else lay.heads_dir(heads_name)
-    return _load_runtime(str(model_stage.output(cfg)), str(heads_dir), resolve_dtype(cfg), int(cfg.model.max_seq_len),
+    return _load_runtime(str(model_stage.output(cfg)), str(heads_dir), resolve_dtype(cfg),
+                         resolve_max_seq_len(plain(cfg.model), model_stage.output(cfg)),
                          cfg.threads, str(cfg.device))
 
 

@@ -616,7 +616,10 @@ def prepare_task(task_cfg: dict[str, Any], profile_cfg: dict[str, Any], model_di
         records, stats = load_records(cfg)
         pools = assign_pools(records, cfg)
         tokenizer = load_chat_tokenizer(model_dir)
+        from pipeline.chat_templates import describe_chat_template
+
         summary: dict[str, Any] = {"source": str(source), "records": stats, "model_dir": str(model_dir),
+                                   "chat_template": describe_chat_template(model_dir),
                                    "max_prompt_tokens": max_tokens, "overlong_policy": cfg["overlong"],
                                    "pools": {}, "overlong": {}, "prompt_tokens": {}, "split_hash": {}}
         seen: set[str] = set()  # prompts written so far: eval and calib first (SPLITS puts train last)

@@ -49,7 +49,7 @@ class ModelConfig:
     repo_id: Optional[str] = None        # hub
     revision: Optional[str] = None       # hub
     dtype: str = choice("float32", *WEIGHT_DTYPES)   # dtype of the converted / loaded weights
-    max_seq_len: int = at_least(2048, 2)             # KV cache capacity of the runtime model
+    max_seq_len: Optional[int] = None                # KV cache capacity of the runtime model; null = max_position_embeddings
     chat_template: Optional[str] = None  # null: the model folder's own chat template
 
 

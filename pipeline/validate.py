@@ -96,18 +96,26 @@ def config_problems(cfg: DictConfig) -> list[str]:
 
     # ---- model: the source decides which fields are needed
     source = get("model.source")
+    max_seq_len = get("model.max_seq_len")
+    template = get("model.chat_template")
+    if template is not None:
+        from pipeline.chat_templates import template_choices
+
+        if template not in template_choices():
+            add(f"model.chat_template={template!r} is not a known chat template; use one of: "
+                f"{', '.join(template_choices())} (or null for the folder's own)")
     if source == "local" and get("model.path") is not None:
         path = get("model.path")
         p = Path(str(path))
         if not p.is_dir():
             add(f"model.path={path} is not a folder; point it at a Hugging Face model folder "
-                "(config.json, tokenizer.json, *.safetensors)")
+                "(config.json, tokenizer.json or tokenizer.model, *.safetensors or *.bin)")
         else:
-            need = [f for f in ("config.json", "tokenizer.json") if not (p / f).is_file()]
-            if not list(p.glob("*.safetensors")):
-                need.append("*.safetensors")
-            if need:
-                add(f"model.path={path} lacks {', '.join(need)}; point it at a complete Hugging Face model folder")
+            from pipeline.model import inspect_model_folder, max_position_embeddings  # .bin / tokenizer.model are converted
+
+            guard("model.path", lambda: inspect_model_folder(p))
+            if max_seq_len is None and (p / "config.json").is_file():
+                max_seq_len = max_position_embeddings(p)  # what null resolves to; checked below
     elif source == "local" and "model.path" not in missing:
         add("model.path is required for model=local; pass model.path=... (a Hugging Face model folder)")
     elif source == "gguf_package":
@@ -128,7 +136,12 @@ def config_problems(cfg: DictConfig) -> list[str]:
     hdir = get("heads.dir")
     if hdir:
         if not (Path(str(hdir)) / "config.json").is_file():
-            add(f"heads.dir={hdir} holds no heads (config.json + heads.safetensors); fix the path or set heads.dir=null to train them")
+            add(f"heads.dir={hdir} holds no heads (config.json + heads.safetensors, or a published Hydra/Medusa "
+                "folder); fix the path or set heads.dir=null to train them")
+        else:
+            from pipeline.heads_import import heads_folder_kind
+
+            guard("heads.dir", lambda: heads_folder_kind(Path(str(hdir))))
     elif isinstance(get("heads.train"), dict):
         train = get("heads.train")
         for p in TrainSettings.cross_field_problems(SimpleNamespace(**train)):  # type: ignore[arg-type]
@@ -152,7 +165,7 @@ def config_problems(cfg: DictConfig) -> list[str]:
         if v is not None and calib is not None and v > calib:
             add(f"profile.{key}={v} exceeds profile.calib_prompts={calib}: they are drawn from the calibration prompts; "
                 "lower it or raise calib_prompts")
-    max_seq_len, budget = get("model.max_seq_len"), get("profile.grow_budget")
+    budget = get("profile.grow_budget")
     p_tok, n_tok = get("profile.max_prompt_tokens"), get("profile.max_new_tokens")
     if None not in (max_seq_len, budget, p_tok, n_tok):
         nodes = max(budget + 1, REFERENCE_TREE_NODES)

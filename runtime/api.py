@@ -42,20 +42,22 @@ class Generation:
 def render_chat(model_dir: Path, prompt: str, system: str | None = None) -> str:
     """Render one user turn with the model's own chat template (Jinja, as transformers does)."""
     tpl_file = model_dir / "chat_template.jinja"
-    template = None
-    if tpl_file.is_file():
-        template = tpl_file.read_text(encoding="utf-8")
-    else:
-        cfg = model_dir / "tokenizer_config.json"
-        if cfg.is_file():
-            template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+    cfg_file = model_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    template = tpl_file.read_text(encoding="utf-8") if tpl_file.is_file() else tok_cfg.get("chat_template")
     if not template:
         return prompt
     import jinja2  # a torch dependency; imported here so plain-ids users never need it
 
+    def special(name: str) -> str:
+        # templates of BOS-using models (Llama-2, Vicuna) emit {{ bos_token }} themselves, as transformers renders them
+        tok = tok_cfg.get(name)
+        return tok.get("content", "") if isinstance(tok, dict) else tok if isinstance(tok, str) else ""
+
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                            bos_token=special("bos_token"), eos_token=special("eos_token"))
 
 
 class EntMTP:

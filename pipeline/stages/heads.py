@@ -21,13 +21,14 @@ def output(cfg: DictConfig) -> Path:
     from pipeline.heads import train_heads
     from pipeline.prepare import load_task_config, prepare_task
 
-    if cfg.heads.dir:
-        d = Path(cfg.heads.dir)
-        if not (d / "config.json").is_file():
-            raise SystemExit(f"heads.dir={d} holds no heads (config.json + heads.safetensors)")
-        return d
     model_dir = model_stage.output(cfg)
     lay = Layout.from_cfg(cfg)
+    if cfg.heads.dir:
+        from pipeline.heads_import import import_heads
+
+        # project-format heads are used as they are; published Hydra/Hydra++/Medusa folders are
+        # converted once into artifacts/heads/<model>/<name>/ (with the source's checksum)
+        return import_heads(cfg.heads.dir, model_dir, lay.heads_dir(), force=forced(cfg, "heads"))
     train = cfg.heads.train
     tasks = set(train.tasks) | ({train.functions_from, train.functions_template} if train.functions_from else set())
     for task in sorted(tasks):  # the training mix reads these tasks' prepared splits

@@ -1,0 +1,452 @@
+"""Your own model and published heads: a tiny random Llama written in Vicuna v1.3's on-disk layout
+(two `.bin` shards + `pytorch_model.bin.index.json`, a sentencepiece `tokenizer.model` trained
+here, a tokenizer config without a chat template) and in a sharded-safetensors layout goes through
+the model stage; draft heads written key by key in the published Hydra, Hydra++ and Medusa-1
+layouts go through the heads import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.chat_templates import CHAT_TEMPLATES, VICUNA_SYSTEM, describe_chat_template, render, resolve_chat_template
+from pipeline.heads_import import export_published_hydra, heads_folder_kind, import_heads
+from pipeline.model import inspect_model_folder, provision_model, resolve_max_seq_len
+from runtime.fingerprint import weights_fingerprint
+from runtime.heads import load_heads
+from runtime.model import load_model, load_tokenizer
+from runtime.published import load_published
+from runtime.tree import Tree, TreeBuffers
+
+sentencepiece = pytest.importorskip("sentencepiece")
+pytest.importorskip("google.protobuf")
+
+HIDDEN, LAYERS, HEADS_ATTN, FFN, POSITIONS = 64, 2, 4, 128, 512
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "Write a Python function that sorts a list of numbers in ascending order.",
+    "The quick brown fox jumps over the lazy dog. A chat between a curious user and an assistant.",
+    "USER: What is 12 times 7? ASSISTANT: 12 times 7 is 84.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+] * 40
+PROMPTS = ["Write a function that returns the sum of two numbers.", "How many clips did Natalia sell in May?"]
+TREES = (Tree.chain(3), Tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]), Tree.named("mc_sim_7b_63"))
+
+# tokenizer_config.json as Vicuna v1.3 ships it: a slow LlamaTokenizer, no chat template
+VICUNA_TOKENIZER_CONFIG = {
+    "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+    "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": True, "rstrip": False,
+                  "single_word": False},
+    "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": True, "rstrip": False,
+                  "single_word": False},
+    "unk_token": {"__type": "AddedToken", "content": "<unk>", "lstrip": False, "normalized": True, "rstrip": False,
+                  "single_word": False},
+    "model_max_length": 2048, "pad_token": None, "padding_side": "right", "sp_model_kwargs": {},
+    "tokenizer_class": "LlamaTokenizer",
+}
+
+
+def train_sentencepiece(folder: Path) -> int:
+    """A small BPE sentencepiece model with Llama's special ids (unk 0, <s> 1, </s> 2, byte fallback)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_prefix=str(folder / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True)
+    (folder / "tokenizer.vocab").unlink()
+    return sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).get_piece_size()
+
+
+def vicuna_config(vocab: int) -> dict:
+    """config.json in Vicuna v1.3's form, tiny."""
+    return {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+            "hidden_size": HIDDEN, "initializer_range": 0.02, "intermediate_size": FFN,
+            "max_position_embeddings": POSITIONS, "model_type": "llama", "num_attention_heads": HEADS_ATTN,
+            "num_hidden_layers": LAYERS, "pad_token_id": 0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "torch_dtype": "float16", "transformers_version": "4.28.0.dev0", "use_cache": True, "vocab_size": vocab}
+
+
+def hf_reference(config: dict, state: dict[str, torch.Tensor]):
+    """transformers' Llama with exactly these weights (float32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")})
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict({k: v.float() for k, v in state.items() if not k.endswith("inv_freq")}, strict=True)
+    return model
+
+
+def random_state(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")})
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return {k: v.detach().to(torch.float16).clone() for k, v in model.state_dict().items()}
+
+
+def write_vicuna_bin_folder(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Vicuna v1.3's layout: pytorch_model-0000{1,2}-of-00002.bin + index, tokenizer.model only."""
+    vocab = train_sentencepiece(folder)
+    config = vicuna_config(vocab)
+    state = random_state(config, seed)
+    # old transformers saved the rotary buffers with the weights; Vicuna's shards carry them
+    for i in range(LAYERS):
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = 1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)
+    names = sorted(state)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map, total = {}, 0
+    for i, part in enumerate(halves):
+        shard = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({k: state[k] for k in part}, folder / shard)
+        for k in part:
+            weight_map[k] = shard
+            total += state[k].numel() * state[k].element_size()
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                     "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                               "pad_token_id": 0}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(VICUNA_TOKENIZER_CONFIG))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                "unk_token": "<unk>"}))
+    return state
+
+
+def write_sharded_safetensors_folder(folder: Path, seed: int = 1) -> dict[str, torch.Tensor]:
+    """model-0000{1,2}-of-00002.safetensors + model.safetensors.index.json, tokenizer.model only."""
+    from safetensors.torch import save_file
+
+    vocab = train_sentencepiece(folder)
+    config = vicuna_config(vocab)
+    state = random_state(config, seed)
+    names = sorted(state)
+    weight_map = {}
+    for i, part in enumerate([names[:5], names[5:]]):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: state[k] for k in part}, str(folder / shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text(json.dumps(VICUNA_TOKENIZER_CONFIG))
+    return state
+
+
+@pytest.fixture(scope="module", params=["bin", "safetensors"])
+def own_model(request, tmp_path_factory):
+    """(source folder, its state dict, the model stage's output folder, artifacts dir)."""
+    root = tmp_path_factory.mktemp(f"own-{request.param}")
+    src = root / "source"
+    src.mkdir()
+    writer = write_vicuna_bin_folder if request.param == "bin" else write_sharded_safetensors_folder
+    state = writer(src)
+    cfg = {"name": "tiny-vicuna", "source": "local", "path": str(src), "dtype": "float32", "max_seq_len": None,
+           "chat_template": "vicuna_v1.1"}
+    out = provision_model(cfg, root / "artifacts")
+    return src, state, out, root / "artifacts", cfg
+
+
+# ---------------------------------------------------------------------------------------------- model stage
+
+
+def test_converted_model_matches_transformers_on_the_original_weights(own_model) -> None:
+    src, state, out, _, _ = own_model
+    assert out != src and (out / "manifest.json").is_file()
+    assert not list(out.glob("*.bin")) and list(out.glob("*.safetensors"))
+    assert (out / "model.safetensors.index.json").is_file()  # two source shards -> two safetensors shards
+    hf = hf_reference(json.loads((src / "config.json").read_text()), state)
+    ours = load_model(out, dtype=torch.float32, max_seq_len=64)
+    ids = torch.randint(3, hf.config.vocab_size, (1, 17), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref = hf(ids).logits
+        logits, _ = ours(ids, torch.arange(ids.shape[1]))
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_converted_tokenizer_round_trips_like_sentencepiece(own_model) -> None:
+    src, _, out, _, _ = own_model
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    tok = load_tokenizer(out)  # what the runtime reads: tokenizer.json through `tokenizers`
+    for text in [*PROMPTS, "def add(a, b):\n    return a + b", "Ünïcödé  spaces\tand 1234"]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert ids == sp.encode(text)
+        assert tok.decode(ids) == sp.decode(ids)
+    assert tok.token_to_id("<s>") == 1 and tok.token_to_id("</s>") == 2
+
+
+def test_chat_template_renders_with_the_converted_tokenizer(own_model) -> None:
+    from transformers import AutoTokenizer
+
+    _, _, out, _, _ = own_model
+    tok = AutoTokenizer.from_pretrained(str(out))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi there"}], add_generation_prompt=True,
+                                     tokenize=False)
+    assert prompt == f"<s>{VICUNA_SYSTEM} USER: Hi there ASSISTANT:"
+    assert describe_chat_template(out)["name"] == "vicuna_v1.1"
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+
+
+def test_model_stage_converts_once_and_validates_max_seq_len(own_model, capsys) -> None:
+    src, _, out, artifacts, cfg = own_model
+    fp = weights_fingerprint(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["summary"]["fingerprint"] == fp and manifest["summary"]["chat_template"] == "vicuna_v1.1"
+    capsys.readouterr()
+    assert provision_model(cfg, artifacts) == out
+    assert "up to date" in capsys.readouterr().out
+    assert resolve_max_seq_len(cfg, out) == POSITIONS  # null = the model's max_position_embeddings
+    assert resolve_max_seq_len({**cfg, "max_seq_len": 256}, out) == 256
+    with pytest.raises(ValueError, match=rf"max_seq_len=4096 exceeds .*max_position_embeddings={POSITIONS}"):
+        provision_model({**cfg, "max_seq_len": 4096}, artifacts)
+
+
+def test_folder_without_template_fails_listing_the_names(own_model, tmp_path) -> None:
+    src, _, _, _, cfg = own_model
+    with pytest.raises(ValueError, match="vicuna_v1.1, llama2, chatml"):
+        provision_model({**cfg, "chat_template": None}, tmp_path)
+    with pytest.raises(ValueError, match=r"'vicuna'.*auto, vicuna_v1.1, llama2, chatml"):
+        provision_model({**cfg, "chat_template": "vicuna"}, tmp_path)
+    assert inspect_model_folder(src).tokenizer == "sentencepiece"
+
+
+# ---------------------------------------------------------------------------------------------- templates
+
+
+def test_named_templates_follow_their_formats() -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    assert render(CHAT_TEMPLATES["vicuna_v1.1"], msgs, "<s>", "</s>") == "<s>Be brief. USER: Hi ASSISTANT: Hello!</s>USER: Bye ASSISTANT:"
+    assert render(CHAT_TEMPLATES["llama2"], msgs, "<s>", "</s>") == (
+        "<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] Bye [/INST]")
+    assert render(CHAT_TEMPLATES["chatml"], msgs[1:2]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert render(CHAT_TEMPLATES["llama2"], msgs[1:2], "<s>", "</s>") == "<s>[INST] Hi [/INST]"
+
+
+def test_auto_uses_the_folders_own_template(tmp_path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    assert resolve_chat_template(None, tmp_path) == ("auto", "{{ messages[0]['content'] }}")
+    assert resolve_chat_template("auto", tmp_path)[1] == "{{ messages[0]['content'] }}"
+    assert resolve_chat_template("chatml", tmp_path) == ("chatml", CHAT_TEMPLATES["chatml"])
+    assert describe_chat_template(tmp_path)["name"] == "own"
+
+
+# ---------------------------------------------------------------------------------------------- published heads
+
+
+def _w(*shape: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=g) * 0.3
+
+
+def write_published_hydra(folder: Path, base_state: dict, arch: str, n_heads: int = 4, n_layers: int = 2,
+                          seed: int = 0) -> None:
+    """hydra_lm_head.pt + config.json with the key layout Hydra's training code saves."""
+    g = torch.Generator().manual_seed(seed)
+    h, embed = HIDDEN, base_state["model.embed_tokens.weight"]
+    v = embed.shape[0]
+    drop = arch == "prefix-mlp"
+    state = {"input_embed_fn.weight": embed.clone()}
+    for i in range(n_heads):
+        for j in range(n_layers):
+            pos = 2 * j + 1 if drop else j
+            fan_in = (i + 2) * h if j == 0 else h
+            state[f"hydra_mlp.{i}.{pos}.linear.weight"] = _w(h, fan_in, g=g)
+            state[f"hydra_mlp.{i}.{pos}.linear.bias"] = _w(h, g=g)
+            if j == 0:
+                state[f"hydra_mlp.{i}.{pos}.res_connection.weight"] = _w(h, fan_in, g=g)
+                state[f"hydra_mlp.{i}.{pos}.res_connection.bias"] = _w(h, g=g)
+        out = f"hydra_lm_head.{i}.{'1.' if drop else ''}"
+        state[out + "weight"], state[out + "bias"] = _w(v, h, g=g), _w(v, g=g)
+    if drop:
+        p = "prefix_embeding_layer."
+        for name, shape in {"layers.0.input_layernorm.weight": (h,), "layers.0.post_attention_layernorm.weight": (h,),
+                            "layers.0.self_attn.q_proj.weight": (h, h), "layers.0.self_attn.k_proj.weight": (h, h),
+                            "layers.0.self_attn.v_proj.weight": (h, h), "layers.0.self_attn.o_proj.weight": (h, h),
+                            "layers.0.mlp.gate_proj.weight": (FFN, h), "layers.0.mlp.up_proj.weight": (FFN, h),
+                            "layers.0.mlp.down_proj.weight": (h, FFN), "norm.weight": (h,)}.items():
+            state[p + name] = 1.0 + _w(*shape, g=g) * 0.1 if "norm" in name else _w(*shape, g=g)
+        state[p + "embed_tokens.weight"] = embed.clone()
+    folder.mkdir(parents=True)
+    torch.save({k: t.to(torch.float16) for k, t in state.items()}, folder / "hydra_lm_head.pt")
+    (folder / "config.json").write_text(json.dumps({
+        "hydra_num_heads": n_heads, "hydra_num_layers": n_layers, "hydra_head_arch": arch, "grounded_heads": True,
+        "hidden_state_offset": 0, "base_model_name_or_path": "lmsys/vicuna-7b-v1.3", "dropout_rate": 0.0,
+        "lm_loss_weight": 1.0, "teacher_loss_weight": 0.0, "transformers_version": "4.36.2"}))
+
+
+def write_published_medusa(folder: Path, n_heads: int = 4, seed: int = 0, vocab: int = 400) -> None:
+    """medusa_lm_head.pt + config.json as Medusa-1's training code saves them."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(n_heads):
+        state[f"{i}.0.linear.weight"], state[f"{i}.0.linear.bias"] = _w(HIDDEN, HIDDEN, g=g), _w(HIDDEN, g=g)
+        state[f"{i}.1.weight"] = _w(vocab, HIDDEN, g=g)
+    folder.mkdir(parents=True)
+    torch.save({k: t.to(torch.float16) for k, t in state.items()}, folder / "medusa_lm_head.pt")
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": n_heads, "medusa_num_layers": 1,
+                                                    "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}))
+
+
+def _prefill(model, prompt_ids: list[int]) -> tuple[torch.Tensor, int]:
+    """Base hidden states of a prompt and the root token (its greedy next token)."""
+    model.reset_cache()
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        logits, hidden = model(ids, torch.arange(ids.shape[1]))
+    return hidden, int(logits[0, -1].argmax())
+
+
+def _drafts(heads, hidden: torch.Tensor, root: int) -> list[list[int]]:
+    heads.reset()
+    with torch.inference_mode():
+        h = heads.observe(hidden, torch.arange(hidden.shape[1]))
+        return [heads.propose(h, root, TreeBuffers.compile(t)).tolist() for t in TREES]
+
+
+@pytest.mark.parametrize("layout", ["hydra", "hydra_pp", "medusa"])
+def test_published_heads_convert_strictly_and_draft_alike(own_model, tmp_path, layout: str) -> None:
+    src, state, model_dir, artifacts, _ = own_model
+    pub = tmp_path / f"published-{layout}"
+    if layout == "medusa":
+        write_published_medusa(pub, vocab=state["model.embed_tokens.weight"].shape[0])
+    else:
+        write_published_hydra(pub, state, "prefix-mlp" if layout == "hydra_pp" else "mlp")
+    out = artifacts / "heads" / "tiny-vicuna" / f"{layout}_published"
+    assert import_heads(pub, model_dir, out) == out
+    assert heads_folder_kind(out) == "project"
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    ckpt = next(pub.glob("*_lm_head.pt"))
+    assert summary["source"] == str(pub.resolve()) and summary["checkpoint"] == ckpt.name
+    assert summary["checkpoint_sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    assert summary["base_embeddings_checked"] == (layout != "medusa")
+    assert summary["heads"]["dtype"] == "float16"
+
+    model = load_model(model_dir, dtype=torch.float32, max_seq_len=256)
+    converted = load_heads(out, model=model, base_fingerprint=weights_fingerprint(model_dir))
+    direct = load_published(pub, model=model)  # runtime.published read in place: the reference
+    tok = load_tokenizer(model_dir)
+    for prompt in PROMPTS:
+        hidden, root = _prefill(model, tok.encode(prompt, add_special_tokens=False).ids)
+        assert _drafts(converted, hidden, root) == _drafts(direct, hidden, root)
+    assert import_heads(out, model_dir, tmp_path / "unused") == out  # project format: used as it is
+
+
+def test_published_heads_for_another_base_model_are_refused(own_model, tmp_path) -> None:
+    _, state, model_dir, _, _ = own_model
+    other = {**state, "model.embed_tokens.weight": state["model.embed_tokens.weight"] + 1.0}
+    write_published_hydra(tmp_path / "pub", other, "mlp")
+    with pytest.raises(ValueError, match="trained for another base model"):
+        import_heads(tmp_path / "pub", model_dir, tmp_path / "out")
+    write_published_medusa(tmp_path / "pub-medusa", vocab=123)
+    with pytest.raises(ValueError, match="another model"):
+        import_heads(tmp_path / "pub-medusa", model_dir, tmp_path / "out2")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+# ---------------------------------------------------------------------------------------------- shipped heads
+
+
+# ~40 s each on the 2-core bench machine (a 135M model loaded, ~0.5 GB written and read back):
+# the Medusa variant runs with the slow tests only
+@pytest.mark.parametrize("name", ["hydra", pytest.param("medusa", marks=pytest.mark.slow)])
+def test_shipped_heads_survive_the_published_hydra_layout(smollm2_dir, tmp_path, name: str) -> None:
+    """The default model's shipped heads, written as a published Hydra folder and read back through
+    the importer, draft the same tokens on real prompts."""
+    shipped = Path("artifacts/heads") / smollm2_dir.name / name
+    if not (shipped / "heads.safetensors").is_file():
+        pytest.skip(f"no shipped heads at {shipped}")
+    model = load_model(smollm2_dir, dtype=torch.float32, max_seq_len=512)
+    heads = load_heads(shipped, model=model)
+    pub = export_published_hydra(heads, tmp_path / "published", base_model_name_or_path=smollm2_dir.name)
+    assert heads_folder_kind(pub) == "hydra"
+    out = import_heads(pub, smollm2_dir, tmp_path / "converted")
+    back = load_heads(out, model=model, base_fingerprint=weights_fingerprint(smollm2_dir))
+    assert back.config.kind == heads.config.kind and back.config.num_heads == heads.config.num_heads
+    tok = load_tokenizer(smollm2_dir)
+    for prompt in [*PROMPTS, "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]:
+        hidden, root = _prefill(model, tok.encode(prompt, add_special_tokens=False).ids)
+        assert _drafts(back, hidden, root) == _drafts(heads, hidden, root)
+
+
+def test_import_never_overwrites_trained_or_shipped_heads(own_model, tmp_path) -> None:
+    _, state, model_dir, _, _ = own_model
+    write_published_hydra(tmp_path / "pub", state, "mlp")
+    trained = tmp_path / "heads" / "hydra"
+    trained.mkdir(parents=True)
+    (trained / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="heads.name=hydra_published"):
+        import_heads(tmp_path / "pub", model_dir, trained)
+    assert (trained / "config.json").read_text() == "{}"
+
+
+def test_bin_with_pickled_objects_is_refused(tmp_path) -> None:
+    from pipeline.model import convert_bin_weights
+
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2), "extra": Path("x")}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="pickled Python objects"):
+        convert_bin_weights([tmp_path / "pytorch_model.bin"], tmp_path / "out")
+
+
+def test_hub_unreachable_says_what_to_do(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = {"name": "vicuna", "source": "hub", "repo_id": "lmsys/vicuna-7b-v1.3", "revision": None}
+    with pytest.raises(RuntimeError, match=r"could not download 'lmsys/vicuna-7b-v1.3'.*model=local model.path="):
+        provision_model(cfg, tmp_path)
+
+
+def test_startup_validation_accepts_own_model_and_published_heads(own_model, tmp_path) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.validate import config_problems
+    from tests.helpers import REPO
+
+    src, state, _, _, _ = own_model
+    write_published_hydra(tmp_path / "pub", state, "prefix-mlp")
+
+    def problems(*extra: str) -> list[str]:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=["model=local", f"model.path={src}", f"heads.dir={tmp_path / 'pub'}",
+                                               f"artifacts_dir={tmp_path}", f"data_dir={tmp_path}", *extra])
+        return config_problems(cfg)
+
+    assert problems("model.chat_template=vicuna_v1.1", "profile.max_prompt_tokens=256") == []
+    assert any("model.chat_template='vicuna'" in p and "llama2" in p
+               for p in problems("model.chat_template=vicuna", "profile.max_prompt_tokens=256"))
+    # null max_seq_len resolves to the folder's max_position_embeddings, too small for the cpu profile
+    assert any(f"model.max_seq_len={POSITIONS} is too small" in p for p in problems("model.chat_template=vicuna_v1.1"))
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    (empty / "config.json").write_text((src / "config.json").read_text())
+    assert any("holds no weights" in p for p in problems(f"model.path={empty}", "profile.max_prompt_tokens=256"))
+
+
+def test_runtime_ready_folder_is_used_in_place_or_linked_with_another_template(own_model, tmp_path) -> None:
+    _, _, out, _, _ = own_model
+    cfg = {"name": "ready", "source": "local", "path": str(out), "max_seq_len": None}
+    assert provision_model({**cfg, "chat_template": None}, tmp_path) == out  # complete: used in place
+    linked = provision_model({**cfg, "chat_template": "chatml"}, tmp_path)
+    assert linked == tmp_path / "models" / "ready"
+    assert (linked / "chat_template.jinja").read_text() == CHAT_TEMPLATES["chatml"]
+    for f in out.glob("*.safetensors"):  # the weights are linked, not copied
+        assert (linked / f.name).samefile(f) or (linked / f.name).resolve() == f.resolve()
+    assert weights_fingerprint(linked) == weights_fingerprint(out)
+
+
+def test_runtime_renders_the_chat_like_prepare(own_model) -> None:
+    """runtime.api.render_chat (no transformers) gives the prompt transformers renders, BOS included."""
+    from transformers import AutoTokenizer
+
+    from runtime.api import render_chat
+
+    _, _, out, _, _ = own_model
+    expected = AutoTokenizer.from_pretrained(str(out)).apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=False)
+    assert render_chat(out, PROMPTS[0]) == expected and expected.startswith("<s>")
