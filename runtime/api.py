@@ -234,15 +234,9 @@ class EntMTP:
 
         sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         ids = self.encode(prompt, chat)
-<<<<<<< HEAD
         t0 = clock(self.model.device)
-        toks = ar_generate(self.model, ids, max_new_tokens)
-        dt = clock(self.model.device) - t0
-=======
-        t0 = time.perf_counter()
         toks = ar_generate(self.model, ids, max_new_tokens, sampler=sampler)
-        dt = time.perf_counter() - t0
->>>>>>> sample
+        dt = clock(self.model.device) - t0
         text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
         return Generation(text=text, tokens=toks, stats={"new_tokens": len(toks), "tok_per_s": round(len(toks) / dt, 2),
                                                           "tokens_per_step": 1.0,
