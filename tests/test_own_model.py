@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -194,14 +195,15 @@ def test_chat_template_renders_with_the_converted_tokenizer(own_model) -> None:
     assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
 
 
-def test_model_stage_converts_once_and_validates_max_seq_len(own_model, capsys) -> None:
+def test_model_stage_converts_once_and_validates_max_seq_len(own_model, caplog) -> None:
     src, _, out, artifacts, cfg = own_model
     fp = weights_fingerprint(out)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["summary"]["fingerprint"] == fp and manifest["summary"]["chat_template"] == "vicuna_v1.1"
-    capsys.readouterr()
-    assert provision_model(cfg, artifacts) == out
-    assert "up to date" in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert provision_model(cfg, artifacts) == out
+    assert "up to date" in caplog.text  # stages log through `logging`
     assert resolve_max_seq_len(cfg, out) == POSITIONS  # null = the model's max_position_embeddings
     assert resolve_max_seq_len({**cfg, "max_seq_len": 256}, out) == 256
     with pytest.raises(ValueError, match=rf"max_seq_len=4096 exceeds .*max_position_embeddings={POSITIONS}"):
