@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TASK ?= humaneval
 ARGS ?=
 
-.PHONY: install model heads prepare bank banks eval eval-all test test-slow bench clean-artifacts
+.PHONY: gpu-check install model heads prepare bank banks eval eval-all test test-slow bench clean-artifacts
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -47,6 +47,10 @@ test: model
 
 test-slow: model
 	$(PY) -m pytest -q -m slow
+
+# on a CUDA machine: banks in float16 and bfloat16, greedy == AR, typical acceptance, time-stage figures (skips without CUDA)
+gpu-check: install
+	$(PY) -m pipeline.benchmarks.gpu_check $(ARGS)
 
 bench: install
 	$(PY) -m pipeline.benchmarks.ar_speed
