@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save
 
+from pipeline.paths import Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, hash_obj, run_stage
 from pipeline.model import model_fingerprint
 from runtime.heads import CONFIG_FILE, DRAFT_DTYPES, WEIGHTS_FILE, DraftHeads, HeadsConfig, load_heads, save_heads
@@ -230,7 +231,7 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "artifacts/models/smollm2-135m-instruct"))
+    ap.add_argument("--model", default=str(ROOT / Layout.for_model("artifacts", default_model_name()).model_dir))
     ap.add_argument("--heads-root", default=None, help="default artifacts/heads/<model name>")
     ap.add_argument("--data", default=str(ROOT / "data"))
     ap.add_argument("--kinds", nargs="+", default=["hydra", "medusa"])
@@ -243,9 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     model_dir = Path(args.model)
-    heads_root = Path(args.heads_root or ROOT / "artifacts/heads" / model_dir.name)
+    heads_root = Path(args.heads_root or ROOT / Layout.for_model("artifacts", model_dir.name).heads_dir(""))
     s = FrequencySettings(tasks=args.tasks, prompts_per_task=args.prompts_per_task, max_new_tokens=args.new_tokens)
-    freq_dir = token_frequencies(model_dir, Path(args.data), ROOT / "artifacts/cache/draft_vocab", s, force=args.force)
+    freq_dir = token_frequencies(model_dir, Path(args.data), ROOT / Layout.for_model("artifacts", model_dir.name).draft_vocab_cache, s, force=args.force)
     for kind in args.kinds:
         for size in args.sizes:
             out = heads_root / f"{kind}-draft{size}"

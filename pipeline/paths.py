@@ -76,6 +76,11 @@ class Layout:
         return self.bank_dir.parent
 
     @property
+    def draft_vocab_cache(self) -> Path:
+        """Token frequencies of the model's own outputs (the draft-vocabulary ranking)."""
+        return self.artifacts / "cache" / "draft_vocab"
+
+    @property
     def model_reports(self) -> Path:
         return self.artifacts / "reports" / self.model_name
 

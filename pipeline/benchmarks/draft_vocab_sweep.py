@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.paths import Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import median, write_csv
 from pipeline.draft_vocab import FrequencySettings, draft_vocab_heads, read_frequencies, token_frequencies
@@ -267,7 +268,7 @@ def _groups(rows: list[dict], keys: tuple[str, ...], **where: Any) -> dict[tuple
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "artifacts/models/smollm2-135m-instruct"))
+    ap.add_argument("--model", default=str(ROOT / Layout.for_model("artifacts", default_model_name()).model_dir))
     ap.add_argument("--heads-root", default=None, help="default artifacts/heads/<model name>")
     ap.add_argument("--data", default=str(ROOT / "data"))
     ap.add_argument("--kinds", nargs="+", default=["hydra", "medusa"])
@@ -294,8 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     model_dir = Path(args.model)
-    heads_root = Path(args.heads_root or ROOT / "artifacts/heads" / model_dir.name)
-    out = Path(args.out or ROOT / "artifacts/reports" / model_dir.name / "draft_vocab")
+    heads_root = Path(args.heads_root or ROOT / Layout.for_model("artifacts", model_dir.name).heads_dir(""))
+    out = Path(args.out or ROOT / Layout.for_model("artifacts", model_dir.name).model_reports / "draft_vocab")
     arithmetics = [a for a in args.arithmetics if a in draft_arithmetics(torch.device("cpu"))]
     global clock
     clock = CLOCKS[args.clock]
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     texts = {t: own_continuations(model, p, args.new_tokens) for t, p in calib.items()} if "quality" not in args.skip else {}
     settings = FrequencySettings(prompts_per_task=args.freq_prompts_per_task, max_new_tokens=args.freq_new_tokens)
     freq_dir = Path(args.freq) if args.freq else token_frequencies(model_dir, Path(args.data),
-                                                                   ROOT / "artifacts/cache/draft_vocab", settings)
+                                                                   ROOT / Layout.for_model("artifacts", model_dir.name).draft_vocab_cache, settings)
     ranking = read_frequencies(freq_dir, model.args.vocab_size)["ranking"]
     fulls = {}
     for kind in args.kinds:

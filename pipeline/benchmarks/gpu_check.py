@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _build_bank(dtype: str, root: Path) -> Path:
     """Run the pipeline on the GPU in its own artifacts folder; return the bank folder."""
-    heads = REPO / "artifacts" / "heads" / "smollm2-135m-instruct" / "hydra"
+    from pipeline.paths import Layout, default_model_name
+
+    heads = REPO / Layout.for_model("artifacts", default_model_name()).heads_dir("hydra")  # the shipped heads
     cmd = [sys.executable, "-m", "pipeline", "stage=bank", "task=humaneval", "device=cuda", f"dtype={dtype}",
            f"artifacts_dir={root}", f"data_dir={root / 'data'}", f"heads.dir={heads}"]
     t0 = time.perf_counter()

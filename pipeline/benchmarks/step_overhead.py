@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from pipeline.artifacts import atomic_write_json, machine_info
+from pipeline.paths import Layout, default_model_name
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, task_prompts, write_csv
 from runtime.decoder import TreeDecoder
 from runtime.device import clock
@@ -41,7 +42,7 @@ from runtime.heads import DraftHeads, load_heads
 from runtime.model import Transformer, load_model
 from runtime.tree import TREES_DIR, Tree, TreeBuffers
 
-DEFAULT_HEADS_DIR = Path("artifacts") / "heads" / "smollm2-135m-instruct" / "hydra"
+DEFAULT_HEADS_DIR = Layout.for_model("artifacts", default_model_name()).heads_dir("hydra")
 WARMUP_STEPS = 2
 
 
