@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TASK ?= humaneval
+# seeded sampling temperature for bank/eval (0 = greedy); a bank at T > 0 lives in <task>@T<t>s<seed>/
+TEMPERATURE ?= 0
 ARGS ?=
 
 .PHONY: gpu-check install model heads prepare bank banks eval eval-all test test-slow bench clean-artifacts
@@ -28,7 +30,7 @@ prepare: install
 
 # the main job: runs every missing stage for TASK and writes artifacts/banks/<model>/<heads>/<task>/
 bank: install
-	$(PY) -m pipeline stage=bank task=$(TASK) $(ARGS)
+	$(PY) -m pipeline stage=bank task=$(TASK) sampling.temperature=$(TEMPERATURE) $(ARGS)
 
 # all three tasks, then one plot comparing their banks (artifacts/reports/<model>/<heads>/task_comparison.png)
 banks: install
@@ -36,7 +38,7 @@ banks: install
 	$(PY) -m pipeline stage=compare $(ARGS)
 
 eval: install
-	$(PY) -m pipeline stage=evaluate task=$(TASK) $(ARGS)
+	$(PY) -m pipeline stage=evaluate task=$(TASK) sampling.temperature=$(TEMPERATURE) $(ARGS)
 
 eval-all: install
 	$(PY) -m pipeline -m stage=evaluate task=humaneval,gsm8k,sharegpt $(ARGS)

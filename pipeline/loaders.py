@@ -95,3 +95,14 @@ def runtime_key(cfg: DictConfig) -> dict[str, Any]:
 
     return {"model": model_fingerprint(model_stage.output(cfg)), "heads": heads_fingerprint(heads_stage.output(cfg)),
             "dtype": resolve_dtype(cfg)}
+
+
+def sampler_from_cfg(cfg: DictConfig):
+    """The runtime sampler for `cfg.sampling` (greedy at temperature 0)."""
+    from runtime.sampling import Sampler, SamplingConfig
+
+    sc = cfg.get("sampling")
+    if sc is None:
+        return Sampler()
+    return Sampler(SamplingConfig(temperature=float(sc.temperature), top_k=int(sc.top_k), top_p=float(sc.top_p),
+                                  seed=int(sc.seed)))

@@ -21,6 +21,18 @@ def default_model_name() -> str:
     return str(OmegaConf.load(CONF_DIR / "model" / f"{choice}.yaml").name)
 
 
+def decoding_tag(sampling: Any) -> str:
+    """"" for greedy decoding, else "T<temperature>[k<top_k>][p<top_p>]s<seed>"."""
+    if sampling is None or float(sampling.get("temperature", 0.0)) == 0.0:
+        return ""
+    tag = f"T{float(sampling['temperature']):g}"
+    if int(sampling.get("top_k", 0)):
+        tag += f"k{int(sampling['top_k'])}"
+    if float(sampling.get("top_p", 1.0)) < 1.0:
+        tag += f"p{float(sampling['top_p']):g}"
+    return tag + f"s{int(sampling.get('seed', 0))}"
+
+
 @dataclass(frozen=True)
 class Layout:
     artifacts: Path
@@ -29,10 +41,18 @@ class Layout:
     heads_name: str
     task: str
     profile: str
+    decoding: str = ""   # "" for greedy; e.g. "T0.7" for seeded sampling (see `decoding_tag`)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Layout:
-        return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, cfg.heads.name, cfg.task.name, cfg.profile.name)
+        return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, cfg.heads.name, cfg.task.name,
+                   cfg.profile.name, decoding_tag(cfg.get("sampling")))
+
+    @property
+    def task_run(self) -> str:
+        """The task's folder name for rollouts, banks and reports: `humaneval`, or `humaneval@T0.7`
+        when the bank is built for seeded sampling (a bank at T > 0 is another bank)."""
+        return f"{self.task}@{self.decoding}" if self.decoding else self.task
 
     @classmethod
     def for_model(cls, artifacts: str | Path, model_name: str, data: str | Path = "data") -> Layout:
@@ -59,7 +79,7 @@ class Layout:
     @property
     def work(self) -> Path:
         """Intermediate outputs of rollout / grow / recalibrate / time for this task and profile."""
-        return self.artifacts / "rollouts" / self.model_name / self.heads_name / self.task / self.profile
+        return self.artifacts / "rollouts" / self.model_name / self.heads_name / self.task_run / self.profile
 
     @property
     def rollouts_root(self) -> Path:
@@ -68,7 +88,7 @@ class Layout:
 
     @property
     def bank_dir(self) -> Path:
-        return self.artifacts / "banks" / self.model_name / self.heads_name / self.task
+        return self.artifacts / "banks" / self.model_name / self.heads_name / self.task_run
 
     @property
     def banks_root(self) -> Path:
@@ -96,4 +116,4 @@ class Layout:
 
     @property
     def reports(self) -> Path:
-        return self.heads_reports / self.task
+        return self.heads_reports / self.task_run

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from pipeline.replay import accept_lengths
+from runtime.sampling import Sampler
 from runtime.decoder import TreeDecoder
 from runtime.tree import Tree
 
@@ -66,9 +67,10 @@ def _replay_step_count(acc: np.ndarray, T: int) -> int:
 
 def recalibrate(
     decoder: TreeDecoder, trees: list[Tree], rows: list[dict], rollouts: dict[str, dict], max_new_tokens: int,
-    rank_cap: int,
+    rank_cap: int, sampler: Sampler | None = None,
 ) -> list[dict[str, Any]]:
-    """Decode every row with every tree (prompt-major, so machine drift hits all trees alike)."""
+    """Decode every row with every tree (prompt-major, so machine drift hits all trees alike),
+    with the rollout's sampler (greedy, or the same seeded sampling)."""
     per_tree: list[dict[str, Any]] = [
         {"tokens": 0, "steps": 0, "replay_steps": 0, "steps_compared": 0, "steps_agree": 0, "token_mismatch_prompts": 0,
          "disagreements": [], "seconds": 0.0, "step_seconds": []} for _ in trees]
@@ -76,7 +78,7 @@ def recalibrate(
     for row in rows:
         ro = rollouts[row["id"]]
         for k, tree in enumerate(trees):
-            res = decoder.generate(row["input_ids"], max_new_tokens, choose=k)
+            res = decoder.generate(row["input_ids"], max_new_tokens, choose=k, sampler=sampler)
             cmp = compare_step_by_step(ro, tree, [s.accepted for s in res.steps], res.tokens, rank_cap)
             f = per_tree[k]
             f["tokens"] += len(res.tokens) - 1

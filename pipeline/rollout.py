@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 from tqdm.auto import tqdm
 
 from runtime.generate import ar_generate
+from runtime.sampling import Sampler
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
 
@@ -30,7 +31,8 @@ ARRAYS = ("tokens", "rank_paths", "p0", "entropy", "head_top1", "greedy_top1", "
 
 @torch.inference_mode()
 def rollout_prompt(
-    model: Transformer, heads: DraftHeads, input_ids: list[int], max_new_tokens: int, rank_cap: int
+    model: Transformer, heads: DraftHeads, input_ids: list[int], max_new_tokens: int, rank_cap: int,
+    sampler: Sampler | None = None,
 ) -> dict[str, np.ndarray]:
     """Arrays over step indices i = 0..T-1 for one prompt (see the rank-path convention).
 
@@ -39,9 +41,14 @@ def rollout_prompt(
     head_top1 [T, D]: head d's top-1 probability at i when fed the true tokens y (rank-path view).
     greedy_top1 [T, D]: head d's top-1 probability along the heads' *own* greedy chain, which is
       what a decoder sees before verifying (the inputs of the greedy-path signal g_d).
-    tf_mismatch [T] bool: the teacher-forced argmax differs from the AR token (a float tie).
+    tf_mismatch [T] bool: the teacher-forced choice differs from the AR token (a float tie).
+
+    With a sampling `sampler` (seeded, noise keyed on the output position) y is the seeded AR
+    sample, and the rank paths replay tree decoding with the same sampler exactly: a node is
+    accepted iff its token equals its parent's keyed sample, i.e. the next token of y.
     """
-    y = ar_generate(model, list(input_ids), max_new_tokens)
+    sampler = sampler if sampler is not None else Sampler()
+    y = ar_generate(model, list(input_ids), max_new_tokens, sampler=sampler)
     P, T, D = len(input_ids), len(y), heads.config.num_heads
     dev = model.device  # every tensor is made where the model computes
     seq = torch.tensor([list(input_ids) + y[:-1]], dtype=torch.long, device=dev)  # y_T needs no successor
@@ -55,7 +62,7 @@ def rollout_prompt(
     logp = torch.log_softmax(base, -1)
     p0 = logp.max(-1).values.exp()
     entropy = -(logp.exp() * logp).sum(-1)
-    tf_mismatch = base.argmax(-1) != y_t
+    tf_mismatch = sampler.next_tokens(base, torch.arange(T, device=dev)) != y_t
 
     # next_true[i, d] = y_{i+1+d} (d = 0..D): the root and the targets of heads 1..D; -1 past T
     padded = torch.cat([y_t, torch.full((D,), -1, dtype=torch.long, device=dev)])
@@ -94,12 +101,12 @@ def shard_rows(rows: list[dict], shard: int, num_shards: int) -> list[dict]:
 
 def run_rollout(
     model: Transformer, heads: DraftHeads, rows: list[dict], max_new_tokens: int, rank_cap: int,
-    out_dir: Path, desc: str = "rollout",
+    out_dir: Path, desc: str = "rollout", sampler: Sampler | None = None,
 ) -> dict[str, Any]:
     """Roll out `rows` (dicts with `id` and `input_ids`) and save them under `out_dir`."""
     per_prompt = []
     for row in tqdm(rows, desc=desc, unit="prompt"):
-        per_prompt.append(rollout_prompt(model, heads, row["input_ids"], max_new_tokens, rank_cap))
+        per_prompt.append(rollout_prompt(model, heads, row["input_ids"], max_new_tokens, rank_cap, sampler))
     save_rollout(out_dir, [r["id"] for r in rows], per_prompt, rank_cap)
     tokens = sum(len(r["tokens"]) for r in per_prompt)
     return {"prompts": len(rows), "tokens": tokens, "tf_mismatches": int(sum(r["tf_mismatch"].sum() for r in per_prompt))}

@@ -17,11 +17,12 @@ from tqdm.auto import tqdm
 from runtime.decoder import TreeDecoder, greedy_chain_top1
 from runtime.device import clock
 from runtime.generate import ar_generate
+from runtime.sampling import Sampler
 
 
 def time_trees(
     decoder: TreeDecoder, rows: list[dict], rounds: int = 2, new_tokens: int = 24, warmup_steps: int = 2,
-    tokens_per_step: list[float] | None = None, cost_floor: float = 0.85,
+    tokens_per_step: list[float] | None = None, cost_floor: float = 0.85, sampler: Sampler | None = None,
 ) -> dict[str, Any]:
     """Median step latency (s) per tree, median AR per-token latency and prefill time.
 
@@ -40,13 +41,13 @@ def time_trees(
     prompt_tokens: list[int] = []
     pruned: dict[int, str] = {}
     # warm-up: one short decode per tree and one AR run (allocator, kernels, caches)
-    decoder.generate(rows[0]["input_ids"], 8, choose=0)
-    ar_generate(decoder.model, rows[0]["input_ids"], 4)
+    decoder.generate(rows[0]["input_ids"], 8, choose=0, sampler=sampler)
+    ar_generate(decoder.model, rows[0]["input_ids"], 4, sampler=sampler)
     bar = tqdm(total=rounds * len(rows) * (n + 1), desc="time", unit="run")
     for rnd in range(rounds):
         for i, row in enumerate(rows):
             t0 = clock(decoder.model.device)
-            out = ar_generate(decoder.model, row["input_ids"], new_tokens // 2)
+            out = ar_generate(decoder.model, row["input_ids"], new_tokens // 2, sampler=sampler)
             ar_total = clock(decoder.model.device) - t0
             bar.update()
             best_rate, last_cost = 0.0, 0.0
@@ -60,7 +61,7 @@ def time_trees(
                                  f"cannot beat {best_rate:.2f} tok/s")
                     bar.update()
                     continue
-                res = decoder.generate(row["input_ids"], new_tokens, choose=k)
+                res = decoder.generate(row["input_ids"], new_tokens, choose=k, sampler=sampler)
                 times = [s.seconds for s in res.steps[warmup_steps:]] or [s.seconds for s in res.steps]
                 step_s[k].extend(times)
                 prefill_s.append(res.prefill_seconds)

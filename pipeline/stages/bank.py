@@ -53,6 +53,7 @@ def output(cfg: DictConfig) -> Path:
             members=str(cfg.bank.members), min_oracle_share=float(cfg.bank.min_oracle_share),
             provenance={
                 "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
+                "sampling": plain(cfg.sampling),
                 "model_fingerprint": rk["model"], "heads_fingerprint": rk["heads"],
                 # relative to the bank folder, so a moved checkout still finds its weights
                 "model_dir": os.path.relpath(model_dir.resolve(), lay.bank_dir.resolve()),

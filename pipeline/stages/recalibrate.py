@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest
-from pipeline.loaders import runtime_key, tree_decoder
+from pipeline.loaders import runtime_key, sampler_from_cfg, tree_decoder
 from pipeline.paths import Layout
 from pipeline.stages import grow as grow_stage
 from pipeline.stages import merge as merge_stage
@@ -34,7 +34,7 @@ def output(cfg: DictConfig) -> Path:
         rollouts = {r["id"]: r for r in load_rollout(rollout_dir)}
         dec = tree_decoder(cfg, [c["tree"] for c in cands])
         res = recalibrate(dec, [c["tree"] for c in cands], rows, rollouts, int(cfg.profile.max_new_tokens),
-                          int(cfg.profile.rank_cap))
+                          int(cfg.profile.rank_cap), sampler=sampler_from_cfg(cfg))
         for c, r in zip(cands, res):
             r["paths"] = [list(p) for p in c["tree"].paths]
             r["nodes"] = c["tree"].num_nodes

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import run_stage
 from pipeline.graph import config_key, forced, once_per_config
-from pipeline.loaders import load_runtime, runtime_key
+from pipeline.loaders import load_runtime, runtime_key, sampler_from_cfg
 from pipeline.paths import Layout
 from pipeline.stages.prepare import rows_hash, split_rows
 
@@ -40,6 +40,6 @@ def output(cfg: DictConfig) -> Path:
     def build(tmp: Path) -> dict[str, Any]:
         model, heads = load_runtime(cfg)
         return run_rollout(model, heads, rows, int(cfg.profile.max_new_tokens), int(cfg.profile.rank_cap), tmp,
-                           desc=f"rollout {cfg.task.name} shard {shard}/{n}")
+                           desc=f"rollout {cfg.task.name} shard {shard}/{n}", sampler=sampler_from_cfg(cfg))
 
     return run_stage("rollout", out, key, build, force=forced(cfg, "rollout"))

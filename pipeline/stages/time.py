@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json, machine_info, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest
-from pipeline.loaders import resolve_dtype, runtime_key, tree_decoder
+from pipeline.loaders import resolve_dtype, runtime_key, sampler_from_cfg, tree_decoder
 from pipeline.paths import Layout
 from pipeline.stages import grow as grow_stage
 from pipeline.stages.prepare import rows_hash, split_rows
@@ -33,7 +33,7 @@ def output(cfg: DictConfig) -> Path:
         dec = tree_decoder(cfg, [c["tree"] for c in cands])
         replayed = [c["replay_tokens_per_step"] for c in cands]
         t = time_trees(dec, rows, rounds=int(cfg.time.rounds), new_tokens=int(cfg.time.new_tokens),
-                       tokens_per_step=replayed if cfg.time.prune else None)
+                       tokens_per_step=replayed if cfg.time.prune else None, sampler=sampler_from_cfg(cfg))
         n_new = int(cfg.profile.max_new_tokens)
         trees = []
         for k, (c, s) in enumerate(zip(cands, t["step_s"])):
