@@ -85,6 +85,16 @@ def training_rows(data_dir: Path, model_dir: Path, s: TrainSettings, cache: Path
     return data_hash, lambda: (train_rows, hold_rows)
 
 
+def train_key(s: TrainSettings) -> dict[str, Any]:
+    """The training settings as the heads key records them. Whole epochs are written as integers,
+    as the YAML spells them: the typed schema reads them as floats, and 4.0 would hash differently
+    from the 4 in the shipped heads' manifests (they would be retrained for nothing)."""
+    out = dataclasses.asdict(s)
+    if isinstance(out.get("epochs"), float) and out["epochs"].is_integer():
+        out["epochs"] = int(out["epochs"])
+    return out
+
+
 def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, artifacts_dir: Path, force: bool = False,
                 model_name: str | None = None) -> Path:
     """Train the heads of config group `heads_cfg` for the model in `model_dir` (skipped when an
@@ -100,7 +110,9 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
     args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     config = heads_config_for(heads_cfg, args, fingerprint)  # validates before any long work
     data_hash, rows = training_rows(data_dir, model_dir, s, lay.heads_cache)
-    key = {"version": TRAIN_VERSION, "heads": config.to_dict(), "train": dataclasses.asdict(s), "data": data_hash,
+    # the drafting arithmetic is chosen at inference and does not change what is trained
+    trained_shape = {k: v for k, v in config.to_dict().items() if k != "draft_dtype"}
+    key = {"version": TRAIN_VERSION, "heads": trained_shape, "train": train_key(s), "data": data_hash,
            "model": fingerprint}
 
     def build(tmp: Path) -> dict[str, Any]:
