@@ -46,7 +46,7 @@ class TypicalAcceptance:
     temperature: float = 0.7
     epsilon: float = 0.09
     alpha: float = 0.3
-    seed: int = 0
+    seed: int = 0  # unused since the next root is the argmax (as published Hydra); kept for saved configs
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -130,7 +130,7 @@ class TreeDecoder:
         heads.bind(model)
 
     # ----------------------------------------------------------------------------------------
-    def _accept(self, buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor, gen: torch.Generator | None,
+    def _accept(self, buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor,
                 sampler: Sampler, first_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The deepest node whose whole path the base model accepts, and the bonus token after it,
         both as int64 [1] tensors on the device (nothing is read on the host here).
@@ -181,7 +181,7 @@ class TreeDecoder:
         """
         sampler = sampler if sampler is not None else Sampler()
         if not sampler.greedy and self.acceptance != "greedy":
-            raise ValueError("typical acceptance samples on its own (TypicalAcceptance.temperature/seed); "
+            raise ValueError("typical acceptance decides with its own temperature (TypicalAcceptance.temperature); "
                              "give a sampler only with acceptance='greedy'")
         if len(input_ids) == 0:
             raise ValueError("empty prompt: give at least one token")
@@ -209,9 +209,6 @@ class TreeDecoder:
             reads_heads = choose.signal.reads_heads
             reads_logits = choose.signal.reads_logits
         dev = model.device
-        gen = None
-        if isinstance(self.acceptance, TypicalAcceptance):
-            gen = torch.Generator(device=dev).manual_seed(self.acceptance.seed)
 
         model.reset_cache()
         heads.reset()
@@ -246,7 +243,7 @@ class TreeDecoder:
             start = model.cache_len
             tokens = heads.propose(h, root, buf)
             logits, hidden = model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False)
-            best, bonus = self._accept(buf, tokens, logits[0], gen, sampler, len(result.tokens))
+            best, bonus = self._accept(buf, tokens, logits[0], sampler, len(result.tokens))
             path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
             # move the path's K/V to the front now (all D+1 slots; the padding is cut below)
             model.compact_cache(start, path)
