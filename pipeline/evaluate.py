@@ -107,7 +107,10 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     from runtime.tree import Tree, TreeBuffers
     from pipeline.paths import Layout
 
+    from pipeline.loaders import acceptance_from_cfg
+
     n_new = int(cfg.evaluate.max_new_tokens)
+    acceptance = acceptance_from_cfg(cfg)  # every speculative method decodes with it
     rows = split_rows(cfg, "eval", int(cfg.profile.eval_prompts))
     model, hydra = load_runtime(cfg)
     from runtime.fingerprint import heads_fingerprint, weights_fingerprint
@@ -122,12 +125,12 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     try:
         # bound to the base model loaded above: one copy of its weights serves every method
         medusa = load_heads(Layout.from_cfg(cfg).heads_dir("medusa"), model=model)
-        methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc]), 0)
+        methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc], acceptance=acceptance), 0)
     except FileNotFoundError as e:
         log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
-    hydra_mc = TreeDecoder(model, hydra, [mc])
+    hydra_mc = TreeDecoder(model, hydra, [mc], acceptance=acceptance)
     methods["Hydra default"] = _spec_method(hydra_mc, 0)
-    bank_dec = TreeDecoder(model, hydra, bank.buffers)
+    bank_dec = TreeDecoder(model, hydra, bank.buffers, acceptance=acceptance)
     methods["EntMTP*"] = _spec_method(bank_dec, bank.best_static)
     labels = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
     for name, label in labels.items():
@@ -203,7 +206,10 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
 
 def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
     m = machine_info()
-    head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, greedy, batch 1, {dtype}, "
+    acc = cfg.get("acceptance")
+    how = ("greedy" if acc is None or acc.kind == "exact" else
+           f"typical acceptance (T {acc.temperature:g}, epsilon {acc.epsilon:g}, alpha {acc.alpha:g}; not lossless)")
+    head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, {how}, batch 1, {dtype}, "
             f"{m['cpu']} ({m['torch_threads']} threads), {int(cfg.profile.eval_prompts)} eval prompts x "
             f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n")
     cols = ["method", "tok_per_s", "decode_tok_per_s", "tokens_per_step", "speedup_vs_ar", "vs_hydra_default", "identical_to_ar", "ppl"]

@@ -79,12 +79,21 @@ def load_runtime(cfg: DictConfig, heads_name: str | None = None):
 
 
 def tree_decoder(cfg: DictConfig, trees: list, heads_name: str | None = None):
-    """A TreeDecoder over the runtime model and heads for the given trees."""
+    """A TreeDecoder over the runtime model and heads for the given trees, accepting as
+    `cfg.acceptance` says."""
     from runtime.decoder import TreeDecoder
     from runtime.tree import TreeBuffers
 
     model, heads = load_runtime(cfg, heads_name)
-    return TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees])
+    return TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees], acceptance=acceptance_from_cfg(cfg))
+
+
+def acceptance_from_cfg(cfg: DictConfig):
+    """The runtime acceptance for `cfg.acceptance`: "exact", or a `TypicalAcceptance`."""
+    from runtime.decoder import make_acceptance
+
+    acc = cfg.get("acceptance")
+    return make_acceptance(plain(acc) if acc is not None else None)
 
 
 @once_per_config

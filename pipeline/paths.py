@@ -33,6 +33,14 @@ def decoding_tag(sampling: Any) -> str:
     return tag + f"s{int(sampling.get('seed', 0))}"
 
 
+def acceptance_tag(acceptance: Any) -> str:
+    """"" for exact acceptance, else "typ<temperature>e<epsilon>a<alpha>" (typical acceptance)."""
+    if acceptance is None or acceptance.get("kind", "exact") == "exact":
+        return ""
+    return (f"typT{float(acceptance['temperature']):g}e{float(acceptance['epsilon']):g}"
+            f"a{float(acceptance['alpha']):g}")
+
+
 @dataclass(frozen=True)
 class Layout:
     artifacts: Path
@@ -42,17 +50,25 @@ class Layout:
     task: str
     profile: str
     decoding: str = ""   # "" for greedy; e.g. "T0.7" for seeded sampling (see `decoding_tag`)
+    acceptance: str = ""  # "" for exact acceptance; e.g. "typT0.7e0.09a0.3" (see `acceptance_tag`)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Layout:
         return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, cfg.heads.name, cfg.task.name,
-                   cfg.profile.name, decoding_tag(cfg.get("sampling")))
+                   cfg.profile.name, decoding_tag(cfg.get("sampling")), acceptance_tag(cfg.get("acceptance")))
 
     @property
     def task_run(self) -> str:
         """The task's folder name for rollouts, banks and reports: `humaneval`, or `humaneval@T0.7`
         when the bank is built for seeded sampling (a bank at T > 0 is another bank)."""
         return f"{self.task}@{self.decoding}" if self.decoding else self.task
+
+    @property
+    def bank_run(self) -> str:
+        """The folder name of the task's bank and reports: `task_run`, or `humaneval@typT0.7e0.09a0.3`
+        for a bank measured under typical acceptance (another bank, from the same rollout)."""
+        tags = [t for t in (self.decoding, self.acceptance) if t]
+        return f"{self.task}@{'-'.join(tags)}" if tags else self.task
 
     @classmethod
     def for_model(cls, artifacts: str | Path, model_name: str, data: str | Path = "data") -> Layout:
@@ -82,13 +98,20 @@ class Layout:
         return self.artifacts / "rollouts" / self.model_name / self.heads_name / self.task_run / self.profile
 
     @property
+    def decode_work(self) -> Path:
+        """Outputs of the stages that decode with the tree decoder (recalibrate, time): `work` under
+        exact acceptance, `work/<acceptance tag>/` under typical acceptance (rollout and grow,
+        which replay exact acceptance, are shared)."""
+        return self.work / self.acceptance if self.acceptance else self.work
+
+    @property
     def rollouts_root(self) -> Path:
         """The intermediate outputs of every task and profile for this model and heads."""
         return self.artifacts / "rollouts" / self.model_name / self.heads_name
 
     @property
     def bank_dir(self) -> Path:
-        return self.artifacts / "banks" / self.model_name / self.heads_name / self.task_run
+        return self.artifacts / "banks" / self.model_name / self.heads_name / self.bank_run
 
     @property
     def banks_root(self) -> Path:
@@ -116,4 +139,4 @@ class Layout:
 
     @property
     def reports(self) -> Path:
-        return self.heads_reports / self.task_run
+        return self.heads_reports / self.bank_run

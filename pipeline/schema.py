@@ -211,6 +211,21 @@ class SamplingConfig:
 
 
 @dataclass
+class AcceptanceConfig:
+    """How a tree step accepts drafts (recorded in the keys of recalibrate, time and evaluate, and
+    in the bank). exact: a draft is accepted when it equals the token the `sampling` sampler picks
+    (greedy, or seeded sampling): lossless, and replayed exactly by rollout/grow. typical: the
+    paper's (Medusa/Hydra) typical acceptance with its own temperature, epsilon and alpha (needs
+    `sampling.temperature: 0`); it changes the output, and rollout/grow, which replay exact
+    acceptance, only rank the trees: recalibrate and time measure them under typical acceptance."""
+
+    kind: str = choice("exact", "exact", "typical")
+    temperature: float = at_least(0.7, 1e-6)    # typical only
+    epsilon: float = at_least(0.09, 0.0, 1.0)   # typical only: the hard probability threshold
+    alpha: float = at_least(0.3, 0.0)           # typical only: the entropy-scaled threshold's factor
+
+
+@dataclass
 class RolloutConfig:
     shard: int = at_least(0, 0)        # this process's shard (stage=rollout); stage=merge runs missing ones
     num_shards: int = at_least(1, 1)
@@ -255,6 +270,7 @@ class PipelineConfig:
     profile: ProfileConfig = MISSING
     policy: PolicyConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
     stage: str = choice("bank", "model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank",
                         "evaluate", "compare")
     force: bool = False                # rebuild the stage's output even when it is up to date
@@ -315,7 +331,7 @@ def _dataclass_type(annotation: Any) -> type | None:
 
 
 _SCHEMAS_BY_NAME = {c.__name__: c for c in (ModelConfig, TrainSettings, HeadsConfig, TaskSource, TaskFields, TaskPools,
-                                           TaskConfig, ProfileConfig, PolicyConfig, SamplingConfig, RolloutConfig,
+                                           TaskConfig, ProfileConfig, PolicyConfig, SamplingConfig, AcceptanceConfig, RolloutConfig,
                                            GrowConfig, TimeConfig, BankConfig, EvaluateConfig, PipelineConfig)}
 
 

@@ -94,6 +94,11 @@ def config_problems(cfg: DictConfig) -> list[str]:
         if not torch.cuda.is_available():
             add("device=cuda but no CUDA device is visible; use device=cpu")
 
+    if get("acceptance.kind") == "typical" and (get("sampling.temperature") or 0) > 0:
+        add(f"acceptance.kind=typical decides with its own temperature (acceptance.temperature), but "
+            f"sampling.temperature={get('sampling.temperature')}; set sampling.temperature=0, or use acceptance.kind=exact "
+            "to sample losslessly")
+
     # ---- model: the source decides which fields are needed
     source = get("model.source")
     max_seq_len = get("model.max_seq_len")

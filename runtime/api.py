@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from runtime.bank import BankError, TopologyBank
-from runtime.decoder import GenerationResult, TreeDecoder
+from runtime.decoder import Acceptance, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
 from runtime.device import clock, resolve_device
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import DraftHeads, load_heads
@@ -64,10 +64,25 @@ class EntMTP:
     """A model + draft heads + TopologyBank, ready to decode losslessly with per-step tree choice."""
 
     def __init__(self, model: Transformer, heads: DraftHeads, bank: TopologyBank, tokenizer: Any = None,
-                 model_dir: Path | None = None) -> None:
+                 model_dir: Path | None = None, acceptance: Acceptance | dict | None = None) -> None:
+        """`acceptance`: "exact" (lossless), "typical" (the paper's settings), a dict {kind,
+        temperature, epsilon, alpha} or a `TypicalAcceptance`; None takes the one the bank was
+        measured with (its provenance; exact for banks that record none)."""
         self.model, self.heads, self.bank, self.tokenizer = model, heads, bank, tokenizer
         self.model_dir = model_dir
-        self.decoder = TreeDecoder(model, heads, bank.buffers)
+        self.acceptance = make_acceptance(acceptance if acceptance is not None else bank.provenance.get("acceptance"))
+        self.decoder = TreeDecoder(model, heads, bank.buffers, acceptance=self.acceptance)
+        self._decoders = {_acceptance_key(self.acceptance): self.decoder}
+
+    def decoder_for(self, acceptance: Acceptance | dict | None = None) -> TreeDecoder:
+        """The tree decoder over the bank for `acceptance` (None: the engine's own), made once."""
+        if acceptance is None:
+            return self.decoder
+        acc = make_acceptance(acceptance)
+        key = _acceptance_key(acc)
+        if key not in self._decoders:
+            self._decoders[key] = TreeDecoder(self.model, self.heads, self.bank.buffers, acceptance=acc)
+        return self._decoders[key]
 
     @classmethod
     def load(
@@ -79,11 +94,12 @@ class EntMTP:
         max_seq_len: int = 2048,
         force: bool = False,
         device: str | torch.device | None = None,
+        acceptance: Acceptance | dict | None = None,
     ) -> EntMTP:
         """Load the bank, then the model and heads it was built for (paths from its provenance
         unless given). `dtype` defaults to the bank's (the one its figures were measured in);
         `device` to the one the bank was built on, or the CPU, with a warning, when that device
-        is not available here."""
+        is not available here; `acceptance` to the bank's (see `EntMTP.__init__`)."""
         bank_dir = Path(bank_dir)
         probe = TopologyBank.load(bank_dir, force=True)  # read provenance first: where are the weights?
         prov = probe.provenance
@@ -104,7 +120,7 @@ class EntMTP:
         bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_dir),
                                  heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.config.num_heads,
                                  force=force)
-        return cls(model, heads, bank, load_tokenizer(model_dir), model_dir)
+        return cls(model, heads, bank, load_tokenizer(model_dir), model_dir, acceptance=acceptance)
 
     def scheduler(self, policy: str | int | None = None) -> Scheduler | int:
         """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput), a
@@ -178,10 +194,16 @@ class EntMTP:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int = 0,
+        acceptance: Acceptance | dict | None = None,
     ) -> Generation:
         """Decode losslessly: the same tokens as `generate_ar` with the same sampling arguments.
         `prompt` is text (rendered with the chat template unless chat=False) or token ids. `stream`
         gets text pieces.
+
+        `acceptance` (default: the engine's, see `EntMTP.__init__`): "exact" is the lossless rule
+        above; "typical" (or a dict / `TypicalAcceptance` with its temperature, epsilon and alpha)
+        is the paper's typical acceptance, which accepts more drafts but changes the output (no
+        longer the AR text); it takes no sampling arguments (temperature must stay 0).
 
         temperature 0 (default) is greedy. temperature > 0 samples from softmax(logits /
         temperature) cut to the top_k tokens (0: all) and then to the top_p probability mass
@@ -216,14 +238,15 @@ class EntMTP:
                 stream(text[printed[0]:])
                 printed[0] = len(text)
 
-        res = self.decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens,
-                                    sampler=sampler)
+        decoder = self.decoder_for(acceptance)
+        res = decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens, sampler=sampler)
         text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
         if stream is not None and len(text) > printed[0]:
             stream(text[printed[0]:])  # what was held back (generation stopped mid-character)
         stats = res.stats()
         stats["trees_used"] = {self.bank.trees[k].num_nodes: n for k, n in stats["trees_used"].items()}
         stats["sampling"] = sampler.config.to_dict()
+        stats["acceptance"] = acceptance_dict(decoder.acceptance)
         return Generation(text=text, tokens=res.tokens, stats=stats, result=res)
 
     def generate_ar(self, prompt: str | Sequence[int], max_new_tokens: int = 128, chat: bool = True,
@@ -241,3 +264,7 @@ class EntMTP:
         return Generation(text=text, tokens=toks, stats={"new_tokens": len(toks), "tok_per_s": round(len(toks) / dt, 2),
                                                           "tokens_per_step": 1.0,
                                                           "sampling": sampler.config.to_dict()})
+
+
+def _acceptance_key(acceptance: Acceptance) -> tuple:
+    return tuple(sorted(acceptance_dict(acceptance).items()))

@@ -18,8 +18,12 @@ from runtime.bank import BankError, TopologyBank
 def _generate(args: argparse.Namespace) -> int:
     from runtime.api import EntMTP
 
+    acceptance = None  # the bank's
+    if args.acceptance is not None:
+        acceptance = {"kind": args.acceptance, "temperature": args.typical_temperature, "epsilon": args.epsilon,
+                      "alpha": args.alpha}
     engine = EntMTP.load(args.bank, model_dir=args.model, heads_dir=args.heads, dtype=args.dtype, force=args.force,
-                         device=args.device)
+                         device=args.device, acceptance=acceptance)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     out = engine.generate(prompt, args.max_new_tokens, policy=args.policy, chat=not args.raw,
@@ -28,7 +32,10 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"\n[entmtp] {json.dumps(out.stats)}", file=sys.stderr)
     if args.compare_ar:
         ar = engine.generate_ar(prompt, args.max_new_tokens, chat=not args.raw, **sampling)
-        same = "identical" if ar.tokens == out.tokens else "DIFFERENT (see README: floating-point ties)"
+        if engine.acceptance != "exact":
+            same = "identical" if ar.tokens == out.tokens else "different (typical acceptance changes the output)"
+        else:
+            same = "identical" if ar.tokens == out.tokens else "DIFFERENT (see README: floating-point ties)"
         print(f"[entmtp] AR {ar.stats['tok_per_s']} tok/s vs EntMTP {out.stats['tok_per_s']} tok/s "
               f"({out.stats['tok_per_s'] / ar.stats['tok_per_s']:.2f}x); output {same}", file=sys.stderr)
     return 0
@@ -39,7 +46,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(bank.summary())
     prov = bank.provenance
     print(f"  built for model {prov.get('model_fingerprint')} / heads {prov.get('heads_fingerprint')}, "
-          f"dtype {prov.get('dtype')}, torch {prov.get('machine', {}).get('torch')}")
+          f"dtype {prov.get('dtype')}, torch {prov.get('machine', {}).get('torch')}, "
+          f"acceptance {json.dumps(prov.get('acceptance') or {'kind': 'exact'})}")
     for name, pol in bank.policies.items():
         print(f"  policy {name}: {json.dumps(pol)}")
     if bank.oracle:
@@ -77,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0 = all)")
     g.add_argument("--top-p", type=float, default=1.0, help="then among the smallest set with this probability (1 = all)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same output")
+    g.add_argument("--acceptance", default=None, choices=["exact", "typical"],
+                   help="exact = lossless (the default for banks built with it); typical = the paper's typical "
+                        "acceptance (more tokens per step, different output; default: the bank's)")
+    g.add_argument("--typical-temperature", type=float, default=0.7, help="typical acceptance: temperature")
+    g.add_argument("--epsilon", type=float, default=0.09, help="typical acceptance: hard probability threshold")
+    g.add_argument("--alpha", type=float, default=0.3, help="typical acceptance: factor of the entropy-scaled threshold")
     g.add_argument("--compare-ar", action="store_true", help="also run plain AR decoding and print both speeds")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--model", default=None, help="model folder (default: the bank's)")

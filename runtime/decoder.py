@@ -12,9 +12,11 @@ One step, with the KV cache holding every committed position before `pos` and th
 5. emit the accepted drafts plus one bonus token from the last accepted node, and compact the
    KV cache to the accepted path (one gather over all layers).
 
-Under exact ("greedy") acceptance the output is token-identical to autoregressive decoding with
-the same sampler (greedy, or seeded sampling at temperature > 0: see runtime/sampling.py), for any
-tree and any per-step choice of tree (up to floating-point ties in an argmax).
+Under exact acceptance (the default; "greedy" is its older name) the output is token-identical to
+autoregressive decoding with the same sampler (greedy, or seeded sampling at temperature > 0: see
+runtime/sampling.py), for any tree and any per-step choice of tree (up to floating-point ties in an
+argmax). Typical acceptance (`TypicalAcceptance`) is the paper's and published Medusa/Hydra's rule:
+it accepts more, and changes the output distribution.
 """
 
 from __future__ import annotations
@@ -38,10 +40,28 @@ from runtime.tree import TreeBuffers
 HEAD_SIGNALS = tuple(name for name, cls in SIGNALS.items() if cls.reads_heads)
 
 
+ACCEPTANCE_KINDS = ("exact", "typical")
+
+
 @dataclass
 class TypicalAcceptance:
-    """Medusa/Hydra typical acceptance: accept a child whose probability under the parent's
-    tempered distribution exceeds min(epsilon, alpha * exp(-entropy))."""
+    """Medusa/Hydra typical acceptance, as the published code does it (Medusa's
+    `evaluate_posterior` with `sampling='typical', fast=True`, which Hydra's `hydra/model/utils.py`
+    copies, and its `generate_candidates`):
+
+    * a drafted child is accepted when its probability under the parent's tempered distribution
+      p = softmax(logits / temperature) exceeds min(epsilon, alpha * exp(-H)), with the entropy
+      H = -sum(p * log(p + 1e-5)) (the published constant inside the log);
+    * a path counts only while every node on it is accepted; the step keeps the longest accepted
+      length and, among the paths that reach it, the one with the largest summed log-probability of
+      its accepted tokens (published: `best_candidates[argmax(likelihood)]`, the first on exact ties);
+      when no draft is accepted, the root alone;
+    * the next root (the step's bonus token) is the base model's argmax after the accepted node
+      (published `generate_candidates` with fast=True: not sampled).
+
+    The published code compares leaf paths (`retrieve_indices`); paths that share their accepted
+    prefix have the same likelihood, so choosing among the deepest accepted *nodes* by the summed
+    log-probability of their root paths is the same choice."""
 
     temperature: float = 0.7
     epsilon: float = 0.09
@@ -50,7 +70,40 @@ class TypicalAcceptance:
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
-            raise ValueError("typical acceptance needs temperature > 0; use acceptance='greedy' for temperature 0")
+            raise ValueError("typical acceptance needs temperature > 0; use acceptance='exact' for temperature 0")
+        if not 0 <= self.epsilon <= 1 or self.alpha < 0:
+            raise ValueError(f"typical acceptance needs epsilon in [0, 1] and alpha >= 0, got epsilon={self.epsilon}, "
+                             f"alpha={self.alpha}")
+
+    def to_dict(self) -> dict[str, float | str]:
+        return {"kind": "typical", "temperature": self.temperature, "epsilon": self.epsilon, "alpha": self.alpha}
+
+
+Acceptance = str | TypicalAcceptance   # "exact" (lossless) or the paper's typical acceptance
+
+
+def make_acceptance(spec: Acceptance | dict | None) -> Acceptance:
+    """"exact" or a `TypicalAcceptance` from a name ("exact", "greedy" = exact, "typical" = the
+    paper's settings), a dict {kind, temperature, epsilon, alpha} (the pipeline's `acceptance`
+    block, or what a bank records), an instance, or None (exact)."""
+    if spec is None or isinstance(spec, TypicalAcceptance):
+        return spec if spec is not None else "exact"
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, dict):
+        raise ValueError(f"acceptance must be 'exact', 'typical', a dict or a TypicalAcceptance, got {spec!r}")
+    kind = "exact" if spec.get("kind", "exact") == "greedy" else spec.get("kind", "exact")
+    if kind not in ACCEPTANCE_KINDS:
+        raise ValueError(f"acceptance kind {kind!r}: choose one of {', '.join(ACCEPTANCE_KINDS)}")
+    if kind == "exact":
+        return "exact"
+    known = {"temperature", "epsilon", "alpha"}
+    return TypicalAcceptance(**{k: float(v) for k, v in spec.items() if k in known})
+
+
+def acceptance_dict(acceptance: Acceptance) -> dict[str, float | str]:
+    """The JSON form of an acceptance (inverse of `make_acceptance`)."""
+    return acceptance.to_dict() if isinstance(acceptance, TypicalAcceptance) else {"kind": "exact"}
 
 
 @dataclass
@@ -111,12 +164,11 @@ class TreeDecoder:
         model: Transformer,
         heads: DraftHeads,
         trees: Sequence[TreeBuffers],
-        acceptance: str | TypicalAcceptance = "greedy",
+        acceptance: Acceptance | dict = "exact",
     ) -> None:
         if not trees:
             raise ValueError("TreeDecoder needs at least one tree")
-        if acceptance != "greedy" and not isinstance(acceptance, TypicalAcceptance):
-            raise ValueError(f"acceptance must be 'greedy' or a TypicalAcceptance, got {acceptance!r}")
+        acceptance = make_acceptance(acceptance)
         max_depth = max(len(t.depth_slices) for t in trees)
         if max_depth > heads.config.num_heads:
             raise ValueError(f"a tree has depth {max_depth} but the heads draft only {heads.config.num_heads} tokens")
@@ -137,27 +189,38 @@ class TreeDecoder:
 
         tokens [N] are the drafted tokens (index 0 the root), logits [N, V] the verify forward's;
         `first_position` is the output position the root's row predicts (tokens emitted so far)."""
-        if self.acceptance == "greedy":
+        if self.acceptance == "exact":
             # [N]: the base model's token after each node (argmax, or its keyed sample); a depth-d
             # node predicts output position first_position + d
             next_tokens = sampler.next_tokens(logits, RowPositions(first_position, buf.depths, buf.depth + 1))
             ok = tokens == next_tokens[buf.parent_index]
-            bonus_row = next_tokens
-        else:
-            cfg = self.acceptance
-            probs = torch.softmax(logits / cfg.temperature, dim=-1)
-            ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-            thresh = torch.clamp(cfg.alpha * torch.exp(-ent), max=cfg.epsilon)
-            ok = probs[buf.parent_index, tokens] > thresh[buf.parent_index]
-            # the next root is the base model's argmax after the accepted node, as the published
-            # Hydra/Medusa code chooses it under typical acceptance (it is not sampled)
-            bonus_row = logits.argmax(dim=-1)
+            ok[0] = True
+            # a node counts only when it and every ancestor are accepted: its mask row lists exactly those
+            accepted = ~(buf.attn_mask & ~ok).any(dim=-1)
+            # at most one child of a node equals its next token, so the deepest accepted node is unique
+            # (up to repeated drafts of one token, which carry the same path)
+            best = torch.where(accepted, buf.depths, -1).argmax(dim=0, keepdim=True)
+            return best, next_tokens.index_select(0, best)
+        cfg = self.acceptance
+        probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+        entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
+        threshold = torch.clamp(cfg.alpha * torch.exp(-entropy), max=cfg.epsilon)
+        node_prob = probs[buf.parent_index, tokens]          # [N]: p(token | parent), tempered
+        ok = node_prob > threshold[buf.parent_index]
         ok[0] = True
-        # a node counts only when it and every ancestor are accepted: its mask row lists exactly those
         accepted = ~(buf.attn_mask & ~ok).any(dim=-1)
-        best = torch.where(accepted, buf.depths, -1).argmax(dim=0, keepdim=True)  # deepest; first on ties
-        bonus = bonus_row.index_select(0, best)
-        return best, bonus
+        # the likelihood of each node's path: summed log-probabilities of its tokens (root excluded);
+        # `where`, not a product with the mask, because a rejected node's log-probability may be -inf
+        node_logp = torch.log(node_prob)
+        node_logp[0] = 0.0
+        path_logp = torch.where(buf.attn_mask, node_logp[None, :], 0.0).sum(-1)
+        accepted_depth = torch.where(accepted, buf.depths, -1)
+        deepest = accepted_depth == accepted_depth.max()
+        best = torch.where(deepest, path_logp, -math.inf).argmax(dim=0, keepdim=True)   # first on exact ties
+        # the next root is the base model's argmax after the accepted node, as the published
+        # Hydra/Medusa code chooses it under typical acceptance (it is not sampled)
+        return best, logits.argmax(dim=-1).index_select(0, best)
+
 
     @torch.inference_mode()
     def generate(
@@ -180,9 +243,9 @@ class TreeDecoder:
         Signals that read the heads (`HEAD_SIGNALS`) add one more, before the tree is chosen.
         """
         sampler = sampler if sampler is not None else Sampler()
-        if not sampler.greedy and self.acceptance != "greedy":
+        if not sampler.greedy and self.acceptance != "exact":
             raise ValueError("typical acceptance decides with its own temperature (TypicalAcceptance.temperature); "
-                             "give a sampler only with acceptance='greedy'")
+                             "give a sampler only with acceptance='exact'")
         if len(input_ids) == 0:
             raise ValueError("empty prompt: give at least one token")
         if max_new_tokens < 1:

@@ -19,41 +19,7 @@ from safetensors.torch import load_file, save_file
 from runtime import bank as bank_mod
 from runtime.bank import BANK_JSON, BUFFERS, SCHEMA_VERSION, BankError, BankFingerprintWarning, TopologyBank
 from runtime.tree import Tree, TreeBuffers
-
-MODEL_FP, HEADS_FP = "model-fp-0123456789", "heads-fp-abcdef"
-
-
-def make_bank(trees: list[Tree] | None = None) -> TopologyBank:
-    """A bank shaped like the pipeline's: trees ascending by size, figures, three policies, provenance."""
-    trees = trees or [Tree.chain(1), Tree.chain(2), Tree.chain(4), Tree.named("mc_sim_7b_63")]
-    figures = [
-        {"nodes": t.num_nodes, "depth": t.depth, "tokens_per_step": 1.4 + 0.3 * k, "step_ms": 20.0 + 2.5 * k,
-         "tok_per_s": 70.0 + k, "real_tokens_per_step": 1.4 + 0.3 * k if k % 2 else None, "step_agreement": 1.0}
-        for k, t in enumerate(trees)
-    ]
-    last = len(trees) - 1
-    policies = {
-        "static": {"kind": "static", "index": last, "signal": "p0"},
-        "hysteresis": {"kind": "hysteresis", "signal": "p0", "small": 0, "large": last, "tau_on": 0.8, "tau_off": 0.4},
-        "ladder": {"kind": "ladder", "signal": "p0", "thresholds": [0.3, 0.6, 0.9][: last], "trees": list(range(last + 1))},
-    }
-    return TopologyBank(
-        trees=trees, figures=figures, best_static=last, policies=policies, default_policy="hysteresis",
-        oracle={"tokens_per_s": 99.5, "tokens_per_step": 2.9},
-        provenance={"task": "humaneval", "model_name": "tiny", "heads_name": "hydra", "model_fingerprint": MODEL_FP,
-                    "heads_fingerprint": HEADS_FP, "dtype": "float32", "machine": {"cpu": "test"}},
-    )
-
-
-def reseal(folder: Path) -> None:
-    """Recompute bank.json's seals after a deliberate edit (what a buggy writer would produce)."""
-    doc = json.loads((folder / BANK_JSON).read_text())
-    if (folder / BUFFERS).exists():
-        blob = (folder / BUFFERS).read_bytes()
-        doc["buffers_sha256"], doc["buffers_bytes"] = bank_mod._sha256(blob), len(blob)
-    doc["doc_sha256"] = bank_mod._doc_checksum(doc)
-    (folder / BANK_JSON).write_text(json.dumps(doc, indent=1))
-
+from tests.helpers import HEADS_FP, MODEL_FP, make_bank, reseal
 
 def edit_json(folder: Path, edit, sealed: bool = True) -> None:
     doc = json.loads((folder / BANK_JSON).read_text())

@@ -9,45 +9,11 @@ from hypothesis import strategies as st
 
 from runtime.decoder import TreeDecoder, TypicalAcceptance
 from runtime.heads import DraftHeads, HeadsConfig
-from runtime.model import ModelArgs, Transformer
 from runtime.policy import HysteresisPolicy, LadderPolicy, Scheduler
 from runtime.tree import Tree, TreeBuffers
-from tests.test_tree import trees as valid_trees
-
-
-def tiny_model(seed: int = 0, vocab: int = 48) -> Transformer:
-    """A random 2-layer Llama with a small vocabulary, so random heads sometimes guess right."""
-    torch.manual_seed(seed)
-    args = ModelArgs(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                     intermediate_size=64, eos_token_ids=(vocab - 1,), max_position_embeddings=512)
-    m = Transformer(args)
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    m.setup_cache(256)
-    return m.eval()
-
-
-def tiny_heads(model: Transformer, kind: str, seed: int = 0, prefix: bool = False) -> DraftHeads:
-    torch.manual_seed(seed)
-    heads = DraftHeads(HeadsConfig.for_model(model.args, kind=kind, num_heads=4, prefix_layer=prefix))
-    for name, p in heads.named_parameters():
-        torch.nn.init.normal_(p, std=0.2)  # non-zero ResBlocks: drafts differ from the base argmax
-    heads.bind(model)
-    return heads.eval()
-
-
-@torch.inference_mode()
-def ar_greedy(model: Transformer, ids: list[int], n: int) -> list[int]:
-    model.reset_cache()
-    logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)))
-    out = [int(logits[0, -1].argmax())]
-    while len(out) < n and out[-1] not in model.args.eos_token_ids:
-        logits, _ = model(torch.tensor([[out[-1]]]), torch.tensor([model.cache_len]))
-        out.append(int(logits[0, -1].argmax()))
-    return out
-
-
-TREES = [Tree.named("chain4"), Tree.named("mc_sim_7b_63"), Tree([(0,), (1,), (0, 0)]), Tree([])]
+from tests.helpers import DECODER_TREES as TREES
+from tests.helpers import ar_greedy, tiny_heads, tiny_model
+from tests.helpers import trees as valid_trees
 
 
 @pytest.mark.parametrize("kind,prefix", [("hydra", False), ("medusa", False), ("hydra", True)])

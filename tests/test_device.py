@@ -19,7 +19,8 @@ from runtime.device import resolve_device
 from runtime.generate import ar_generate
 from runtime.policy import LadderPolicy, Scheduler
 from runtime.tree import Tree, TreeBuffers
-from tests.test_decoder import TREES, ar_greedy, tiny_heads, tiny_model
+from tests.helpers import DECODER_TREES as TREES
+from tests.helpers import ar_greedy, tiny_heads, tiny_model
 
 PROMPT = list(range(5, 14))
 

@@ -19,6 +19,7 @@ from runtime.generate import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, choose_draft_dtype, draft_arithmetics, load_heads, save_heads
 from runtime.model import ModelArgs, Transformer
 from runtime.tree import Tree, TreeBuffers
+from tests.helpers import tiny_transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,12 +30,7 @@ TREES = [Tree.chain(4), Tree([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]), Tree.name
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ARGS)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    model.setup_cache(256)
-    return model.eval()
+    return tiny_transformer(ARGS, seed)
 
 
 def full_heads(model: Transformer, kind: str, seed: int = 1) -> DraftHeads:

@@ -21,7 +21,7 @@ from runtime.export import (
     to_vllm,
 )
 from runtime.tree import Tree, TreeError
-from tests.test_tree import trees
+from tests.helpers import trees
 
 SMALL = Tree([(1,), (0, 0), (0,)])
 

@@ -10,41 +10,21 @@ import torch
 
 from runtime.generate import ar_generate, main
 from runtime.model import load_model
+from tests.helpers import random_hf_causal_lm
 
 TINY_CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                 pad_token_id=0)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _hf_tiny(kind: str, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config = (LlamaConfig if kind == "llama" else Qwen2Config)(**TINY_CFG)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = (LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # wide weights: clear argmax margins, so float rounding cannot flip a greedy choice
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.3)
-    return model
+# tiny models gain nothing from threads (see tests/helpers.py `torch_threads`)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_llama")
-    hf = _hf_tiny("llama", seed=1)
+    hf = random_hf_causal_lm("llama", TINY_CFG, seed=1)
     hf.save_pretrained(str(d))
     return hf, load_model(d, max_seq_len=128), d
 
@@ -67,7 +47,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_token_identical_to_transformers_generate(kind: str, tmp_path: Path) -> None:
-    hf = _hf_tiny(kind, seed=2)
+    hf = random_hf_causal_lm(kind, TINY_CFG, seed=2)
     hf.save_pretrained(str(tmp_path))
     ours = load_model(tmp_path, max_seq_len=128)
     for seed, plen in [(0, 1), (1, 9), (2, 40)]:

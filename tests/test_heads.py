@@ -10,6 +10,7 @@ import torch
 from runtime.heads import DraftHeads, HeadsConfig, check_base_fingerprint, load_heads, save_heads
 from runtime.model import ModelArgs, Transformer
 from runtime.tree import Tree, TreeBuffers
+from tests.helpers import tiny_transformer
 
 ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=64,
                  tie_embeddings=True, max_position_embeddings=256)
@@ -22,12 +23,7 @@ VARIANTS = [
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ARGS)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    model.setup_cache(128)
-    return model.eval()
+    return tiny_transformer(ARGS, seed, cache=128)
 
 
 def random_heads(model: Transformer, kind: str, prefix: bool, output: str, seed: int = 1, **kw) -> DraftHeads:

@@ -70,7 +70,7 @@ def test_long_run_is_lossless_with_flat_memory(kind: str, prefix: bool, seed: in
 
 
 def test_teacher_forced_check_accepts_greedy_and_flags_a_wrong_token() -> None:
-    from tests.test_decoder import ar_greedy
+    from tests.helpers import ar_greedy
 
     prompt = list(range(3, 12))
     model, _ = tiny_setup(len(prompt), 80)

@@ -17,19 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.model import ModelArgs, Transformer, load_model, load_tokenizer, rope_inv_freq
+from tests.helpers import random_hf_causal_lm
 
 ATOL = 1e-4  # logits, float32, vs transformers eager (the bar)
 TIGHT = 2e-5  # the runtime against itself: same weights, different call shapes
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models gain nothing from threads, and on a busy shared CPU spinning OpenMP threads make
-    # them many times slower; restore afterwards for the tests that load SmolLM2
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# tiny models gain nothing from threads (see tests/helpers.py `torch_threads`)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,28 +45,12 @@ TINY = {
 }
 
 
-def _hf_model(kind: str, cfg: dict, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config = (LlamaConfig if kind == "llama" else Qwen2Config)(**cfg)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = (LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, (kind, cfg) in TINY.items():
         d = tmp_path_factory.mktemp(name)
-        _hf_model(kind, cfg).save_pretrained(str(d))
+        random_hf_causal_lm(kind, cfg, std=0.15).save_pretrained(str(d))
         out[name] = d
     return out
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
-from tests.test_own_model import write_published_hydra, write_sharded_safetensors_folder, write_vicuna_bin_folder
+from tests.helpers import REPO, write_published_hydra, write_sharded_safetensors_folder, write_vicuna_bin_folder
 
 pytest.importorskip("sentencepiece")
 

@@ -16,7 +16,7 @@ from runtime.bank import TopologyBank
 from runtime.decoder import TreeDecoder
 from runtime.generate import ar_generate
 from runtime.tree import Tree, TreeBuffers
-from tests.test_decoder import ar_greedy, tiny_heads, tiny_model
+from tests.helpers import ar_greedy, tiny_heads, tiny_model
 
 CAPACITY = 256                               # tiny_model's KV cache
 TREES = [Tree.chain(2), Tree.named("mc_sim_7b_63")]

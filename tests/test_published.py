@@ -20,18 +20,14 @@ from torch import nn
 from runtime.model import ModelArgs, Transformer
 from runtime.published import load_published, load_published_hydra, load_published_medusa, load_torch_weights
 from runtime.tree import Tree, TreeBuffers
+from tests.helpers import tiny_transformer
 
 ARGS = ModelArgs(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=64,
                  norm_eps=1e-6, rope_theta=10000.0, tie_embeddings=True, max_position_embeddings=256)
 
 
 def tiny_model() -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.3)
-    model.setup_cache(128)
-    return model.eval()
+    return tiny_transformer(ARGS, cache=128)
 
 
 class RefResBlock(nn.Module):

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from runtime.bank import BANK_JSON, BUFFERS, BankError, TopologyBank
-from tests.test_bank import HEADS_FP, MODEL_FP, make_bank, reseal
+from tests.helpers import HEADS_FP, MODEL_FP, make_bank, reseal
 
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("runtime", "pipeline")

@@ -24,9 +24,9 @@ from runtime.policy import LadderPolicy, Scheduler
 from runtime.sampling import (RowPositions, Sampler, SamplingConfig, gumbel_noise, keyed_argmax,
                               process_logits)
 from runtime.tree import Tree, TreeBuffers
-from tests.helpers import torch_threads
-from tests.test_decoder import TREES, tiny_heads, tiny_model
-from tests.test_tree import trees as valid_trees
+from tests.helpers import DECODER_TREES as TREES
+from tests.helpers import tiny_heads, tiny_model, torch_threads
+from tests.helpers import trees as valid_trees
 
 ALPHA = 1e-3          # significance of the goodness-of-fit tests
 BUG_ALPHA = 1e-9      # a deliberate bug must be rejected at least this strongly

@@ -14,7 +14,7 @@ from pipeline.rollout import rollout_prompt
 from runtime.decoder import TreeDecoder
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.tree import Tree, TreeBuffers
-from tests.test_decoder import tiny_heads, tiny_model
+from tests.helpers import tiny_heads, tiny_model
 
 TREES = [Tree.chain(3), Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]), Tree.named("mc_sim_7b_63")]
 

@@ -12,28 +12,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from runtime.tree import Tree, TreeBuffers, TreeError, TreeTypeError
+from tests.helpers import trees
 
 REFERENCE = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "mc_sim_7b_63.json"
 SHIPPED = Path(__file__).resolve().parent.parent / "runtime" / "trees" / "mc_sim_7b_63.json"
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@st.composite
-def trees(draw: st.DrawFn, max_depth: int = 5, max_children: int = 4, max_nodes: int = 40) -> Tree:
-    """Random valid trees, grown breadth first: each node gets 0..max_children children of ranks 0..n-1."""
-    depth_limit = draw(st.integers(0, max_depth))
-    paths: list[tuple[int, ...]] = []
-    frontier: list[tuple[int, ...]] = [()]
-    while frontier:
-        node = frontier.pop(0)
-        if len(node) >= depth_limit:
-            continue
-        n = draw(st.integers(0, min(max_children, max_nodes - len(paths))))
-        kids = [node + (r,) for r in range(n)]
-        paths += kids
-        frontier += kids
-    order = draw(st.permutations(paths))  # the input order must not matter
-    return Tree(order)
 
 
 def node_paths(tree: Tree) -> list[tuple[int, ...]]:

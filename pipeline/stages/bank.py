@@ -54,6 +54,8 @@ def output(cfg: DictConfig) -> Path:
             provenance={
                 "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
                 "sampling": plain(cfg.sampling),
+                # how its trees were recalibrated and timed (runtime.api.EntMTP.load decodes with it by default)
+                "acceptance": plain(cfg.acceptance),
                 "model_fingerprint": rk["model"], "heads_fingerprint": rk["heads"],
                 # relative to the bank folder, so a moved checkout still finds its weights
                 "model_dir": os.path.relpath(model_dir.resolve(), lay.bank_dir.resolve()),

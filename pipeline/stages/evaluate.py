@@ -14,7 +14,7 @@ from pipeline.paths import Layout
 from pipeline.stages import bank as bank_stage
 from pipeline.stages.prepare import rows_hash, split_rows
 
-READS = ("evaluate", "profile.eval_prompts", "sampling")
+READS = ("evaluate", "profile.eval_prompts", "sampling", "acceptance")
 
 
 @once_per_config
