@@ -206,3 +206,60 @@ def test_cli_generate_with_typical_acceptance(bundle, capsys) -> None:  # noqa: 
     err = capsys.readouterr().err
     stats = json.loads(err.split("[entmtp] ", 1)[1].splitlines()[0])
     assert stats["acceptance"] == {"kind": "typical", "temperature": 0.9, "epsilon": 0.05, "alpha": 0.2}
+
+
+# --- pipeline -------------------------------------------------------------------------------------
+
+
+def _pipeline_cfg(artifacts, data, bundle, *extra: str):  # noqa: ANN001, ANN202 - paths, bundle, DictConfig
+    from hydra import compose, initialize_config_dir
+
+    from tests.helpers import MODEL_NAME, REPO
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*extra,
+            "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
+            f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
+            "threads=1", "profile.calib_prompts=2", "profile.recalib_prompts=1", "profile.timing_prompts=1",
+            "profile.max_new_tokens=6", "profile.eval_prompts=1", "time.rounds=1", "time.new_tokens=4",
+            "grow.candidate_sizes=[0,2,4]", f"artifacts_dir={artifacts}", f"data_dir={data}"])
+
+
+def test_config_refuses_typical_acceptance_with_sampling(bundle, tmp_path) -> None:  # noqa: ANN001 - fixtures
+    from pipeline.validate import config_problems
+
+    cfg = _pipeline_cfg(tmp_path, tmp_path, bundle, "acceptance.kind=typical", "sampling.temperature=0.7")
+    assert any("acceptance.kind=typical decides with its own temperature" in p for p in config_problems(cfg))
+    cfg = _pipeline_cfg(tmp_path, tmp_path, bundle, "acceptance.kind=nucleus")
+    assert any("acceptance.kind='nucleus' is not valid" in p for p in config_problems(cfg))
+
+
+def test_typical_bank_shares_the_rollout_and_records_its_acceptance(bundle, tmp_path) -> None:  # noqa: ANN001
+    import json
+    import shutil
+
+    from pipeline import graph
+    from tests.helpers import MODEL_NAME
+
+    artifacts, data = tmp_path / "artifacts", tmp_path / "data"
+    shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
+    graph.clear_memo()
+    exact_bank = graph.run(_pipeline_cfg(artifacts, data, bundle))
+    work = artifacts / "rollouts" / MODEL_NAME / "hydra" / "humaneval" / "cpu"
+    shared = {d: (work / d / "manifest.json").read_text() for d in ("rollout", "grow")}
+
+    graph.clear_memo()
+    typical_bank = graph.run(_pipeline_cfg(artifacts, data, bundle, "acceptance.kind=typical"))
+    tag = "typT0.7e0.09a0.3"
+    assert typical_bank == exact_bank.parent / f"humaneval@{tag}"
+    # rollout and grow (exact replay) are shared; recalibrate and time are measured again
+    assert {d: (work / d / "manifest.json").read_text() for d in shared} == shared
+    timing = json.loads((work / tag / "time" / "timing.json").read_text())
+    recal = json.loads((work / tag / "recalibrate" / "recalibrate.json").read_text())
+    assert timing["tokens_per_step_from"] == "recalibrate" and timing["acceptance"]["kind"] == "typical"
+    real = {json.dumps(r["paths"]): r["real_tokens_per_step"] for r in recal["trees"]}
+    assert all(t["tokens_per_step"] == real[json.dumps(t["paths"])] for t in timing["trees"])
+    assert all(r["step_agreement"] is None for r in recal["trees"])  # no replay to agree with
+    bank = json.loads((typical_bank / "bank.json").read_text())
+    assert bank["provenance"]["acceptance"] == {"kind": "typical", "temperature": 0.7, "epsilon": 0.09, "alpha": 0.3}
+    assert json.loads((exact_bank / "bank.json").read_text())["provenance"]["acceptance"]["kind"] == "exact"
