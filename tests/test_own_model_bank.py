@@ -1,10 +1,11 @@
 """End to end through the documented command: a bank built from a Vicuna-layout folder (.bin shards,
 sentencepiece tokenizer, no chat template) or a sharded-safetensors one, with published Hydra++
-heads given as `heads.dir`:
+heads given as `heads.dir`, by
 
-    python -m pipeline stage=bank task=humaneval model=local model.path=DIR \\
-        model.chat_template=vicuna_v1.1 heads.dir=DIR ...
-"""
+    make bank TASK=humaneval ARGS="model=local model.path=DIR model.chat_template=vicuna_v1.1 heads.dir=DIR ..."
+
+(artifacts and data in a temporary folder). The venv must be installed (`make install` is then a
+no-op: its stamp holds pyproject.toml's hash)."""
 
 from __future__ import annotations
 
@@ -30,16 +31,23 @@ def test_bank_from_own_model_and_published_heads(tmp_path: Path, layout: str) ->
     heads = tmp_path / "hydra-tiny"
     write_published_hydra(heads, state, "prefix-mlp")
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
-    cmd = [sys.executable, "-m", "pipeline", "stage=bank", "task=humaneval", "model=local", f"model.path={src}",
-           "model.name=tiny-vicuna", "model.chat_template=vicuna_v1.1", f"heads.dir={heads}",
-           "heads.name=hydra_pp_published", "dtype=float32", "threads=1",
-           "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",
-           "profile.max_new_tokens=6", "profile.eval_prompts=2", "profile.max_prompt_tokens=256",
-           "time.rounds=1", "time.new_tokens=4", "grow.candidate_sizes=[0,2,4,8]",
-           f"artifacts_dir={artifacts}", f"data_dir={data}"]
+    venv = Path(sys.executable).parent.parent
+    make = ["make", "-C", str(REPO), f"VENV={venv}", f"PYTHON={sys.executable}"]
+    dry = subprocess.run([*make, "-n", "install"], capture_output=True, text=True, timeout=60)
+    if "pip install" in dry.stdout:
+        pytest.skip(f"{venv} was not installed by `make install` from this pyproject.toml; the test would reinstall it")
+    args = " ".join([
+        "model=local", f"model.path={src}", "model.name=tiny-vicuna", "model.chat_template=vicuna_v1.1",
+        f"heads.dir={heads}", "heads.name=hydra_pp_published", "dtype=float32", "threads=1",
+        "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",
+        "profile.max_new_tokens=6", "profile.eval_prompts=2", "profile.max_prompt_tokens=256",
+        "time.rounds=1", "time.new_tokens=4", "'grow.candidate_sizes=[0,2,4,8]'",
+        f"artifacts_dir={artifacts}", f"data_dir={data}"])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([*make, "bank", "TASK=humaneval", f"ARGS={args}"], env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pip install" not in proc.stdout, "make bank reinstalled the venv"
 
     model_dir = artifacts / "models" / "tiny-vicuna"
     assert (model_dir / "tokenizer.json").is_file() and list(model_dir.glob("*.safetensors"))
