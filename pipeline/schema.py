@@ -82,7 +82,10 @@ class TrainSettings:
     grad_clip: float = 1.0
     checkpoint_every: int = at_least(25, 1)
     seed: int = 0
-    save_dtype: str = choice("bfloat16", *WEIGHT_DTYPES)  # shipped weights; training runs in float32
+    save_dtype: str = choice("bfloat16", *WEIGHT_DTYPES)  # shipped weights
+    # training arithmetic: float32, or autocast to bfloat16 / float16 (parameters and optimiser
+    # state stay float32). Training runs on the config's `device`.
+    dtype: str = choice("float32", *WEIGHT_DTYPES)
 
     def __post_init__(self) -> None:
         problems = field_problems(self, "heads.train") + self.cross_field_problems()

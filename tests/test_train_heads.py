@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,33 @@ def test_stage_writes_loadable_heads_and_is_skipped_when_up_to_date(tiny_dir: Pa
         train_heads({**cfg, "heads": 4}, tiny_dir, data, tmp_path / "artifacts")
     with pytest.raises(ValueError, match="unknown heads.train keys"):
         train_heads({**cfg, "train": {"step": 3}}, tiny_dir, data, tmp_path / "artifacts")
+
+
+@pytest.mark.parametrize(("kind", "prefix", "output"), [("hydra", True, "shared"), ("medusa", False, "draft")])
+def test_a_training_step_stays_on_the_models_device(tiny_dir: Path, tmp_path: Path, seqs10: list[dict], kind: str,
+                                                    prefix: bool, output: str) -> None:
+    """Batching, the sampled loss, its backward pass and the held-out report make no tensor off the
+    heads' device (`DeviceCheck` flags every factory called without a device, so a CPU-only run
+    finds what would break on a GPU); then one whole step of `train_loop` with an autocast dtype."""
+    from pipeline.heads.train import draft_vocabulary
+    from runtime.debug import DeviceCheck
+
+    heads = make_heads(tiny_dir, kind=kind, prefix_layer=prefix, output=output,
+                       draft_vocab_size=40 if output == "draft" else None)
+    if output == "draft":
+        heads.set_draft_vocab(draft_vocabulary(seqs10, 40))
+    device = next(heads.parameters()).device
+    negatives = torch.Generator(device=device)
+    negatives.manual_seed(0)
+    with DeviceCheck(device) as check:
+        batch = sequence_batch(heads.train(), seqs10[:3])
+        loss, per_head = distill_loss(heads, batch, negatives=16, generator=negatives)
+        loss.backward()
+        report = evaluate_heads(heads, seqs10[:2])
+    check.raise_if_violations()
+    assert per_head.shape == (4,) and all(p.grad is not None for p in heads.parameters() if p.requires_grad)
+    assert len(report["top1"]) == 4
+    # AdamW keeps its step counter as a 0-dim host tensor by design: the loop runs outside the check
+    s = TrainSettings(max_steps=1, batch_sequences=2, checkpoint_every=1, dtype="bfloat16")
+    fit = train_loop(heads, seqs10, s, tmp_path / "work", run_key="k")
+    assert fit["steps"] == 1 and math.isfinite(fit["loss_last"])

@@ -92,14 +92,18 @@ def train_key(s: TrainSettings) -> dict[str, Any]:
     out = dataclasses.asdict(s)
     if isinstance(out.get("epochs"), float) and out["epochs"].is_integer():
         out["epochs"] = int(out["epochs"])
+    if out.get("dtype") == "float32":  # the default arithmetic, as before the setting existed
+        del out["dtype"]
     return out
 
 
 def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, artifacts_dir: Path, force: bool = False,
-                model_name: str | None = None) -> Path:
+                model_name: str | None = None, device: str = "cpu") -> Path:
     """Train the heads of config group `heads_cfg` for the model in `model_dir` (skipped when an
     up-to-date folder exists, e.g. shipped in git) and return their folder. `model_name` names
-    the model's folders (default: the model folder's name)."""
+    the model's folders (default: the model folder's name). Self-distillation and training run on
+    `device`, which is not part of the key: heads trained on another device are up to date (they
+    differ only by floating-point rounding)."""
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     lay = Layout.for_model(artifacts_dir, model_name or model_dir.name, data_dir)
     name = heads_cfg.get("name") or heads_cfg.get("kind", "hydra")
@@ -120,13 +124,14 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
         t0, c0 = time.time(), time.process_time()
         threads = torch.get_num_threads()  # load_model may reset it; keep the caller's choice
         sd_dir = lay.heads_cache / f"selfdistill-{hash_obj([s.data_dict(), data_hash, fingerprint])}"
-        train_seqs = build_selfdistill(model_dir, train_rows, s, sd_dir / "train")
-        hold_seqs = build_selfdistill(model_dir, hold_rows, s, sd_dir / "holdout")
+        train_seqs = build_selfdistill(model_dir, train_rows, s, sd_dir / "train", device=device)
+        hold_seqs = build_selfdistill(model_dir, hold_rows, s, sd_dir / "holdout", device=device)
         t_data, c_data = time.time() - t0, time.process_time() - c0
-        model = load_model(model_dir, dtype=torch.float32, max_seq_len=min(args.max_position_embeddings, 2048))
+        model = load_model(model_dir, dtype=torch.float32, max_seq_len=min(args.max_position_embeddings, 2048),
+                           device=device)
         torch.set_num_threads(threads)
         torch.manual_seed(s.seed)
-        heads = DraftHeads(config)
+        heads = DraftHeads(config).to(model.device)  # initialised on the host: the same weights on every device
         heads.bind(model)
         heads.init_output_from_base()
         if config.output == "draft":
@@ -148,7 +153,8 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
             "wall_s": {"data": round(t_data, 1), "train_this_run": fit["seconds_this_run"],
                        "total_this_run": round(time.time() - t0, 1)},
             "cpu_s": {"data": round(c_data, 1), "total_this_run": round(time.process_time() - c0, 1)},
-            "machine": machine_info(), "base_fingerprint": fingerprint,
+            "machine": machine_info(), "base_fingerprint": fingerprint, "device": str(model.device),
+            "train_dtype": s.dtype,
         })
         save_heads(heads, tmp, dtype=_DTYPES[s.save_dtype])
         atomic_write_json(tmp / "report.json", report)

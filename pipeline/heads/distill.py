@@ -34,10 +34,11 @@ def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eo
     from transformers import DynamicCache
 
     B, P = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, P, dtype=torch.long)
-    mask = torch.zeros(B, P, dtype=torch.long)
+    dev = model.device
+    ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+    mask = torch.zeros(B, P, dtype=torch.long, device=dev)
     for b, p in enumerate(prompts):
-        ids[b, P - len(p):] = torch.tensor(p)
+        ids[b, P - len(p):] = torch.tensor(p, device=dev)
         mask[b, P - len(p):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns until 5.40)
@@ -63,7 +64,7 @@ def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eo
                 done[b] = int(nxt[b]) in eos_ids
         if all(done) or step == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long, device=dev)], dim=1)
         out = model.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                           use_cache=True, **cache).last_hidden_state
         last = out[:, 0]
@@ -71,8 +72,9 @@ def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eo
         for b in range(B):
             if not done[b]:  # the state of y_t's position, context of the next step
                 hidden[b].append(last[b:b + 1].half())
-    return [{"tokens": torch.tensor(ys[b], dtype=torch.long), "hidden": torch.cat(hidden[b]),
-             "topk_ids": torch.stack(tk_ids[b]), "topk_p": torch.stack(tk_p[b]),
+    # host tensors: they are saved as shards and moved to the training device batch by batch
+    return [{"tokens": torch.tensor(ys[b], dtype=torch.long), "hidden": torch.cat(hidden[b]).cpu(),
+             "topk_ids": torch.stack(tk_ids[b]).cpu(), "topk_p": torch.stack(tk_p[b]).cpu(),
              "prompt_len": torch.tensor(len(prompts[b]))} for b in range(B)]
 
 
@@ -98,8 +100,10 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return seqs
 
 
-def build_selfdistill(model_dir: Path, rows: list[dict], s: TrainSettings, out_dir: Path) -> list[dict[str, torch.Tensor]]:
-    """Generate (or resume / reuse) the self-distillation data of `rows`; one shard per batch."""
+def build_selfdistill(model_dir: Path, rows: list[dict], s: TrainSettings, out_dir: Path, device: str = "cpu"
+                      ) -> list[dict[str, torch.Tensor]]:
+    """Generate (or resume / reuse) the self-distillation data of `rows` with the base model on
+    `device` (float32); one shard per batch, host tensors."""
     from transformers import LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +120,7 @@ def build_selfdistill(model_dir: Path, rows: list[dict], s: TrainSettings, out_d
             seqs = _unflatten(load_file(str(shard)))
         else:
             if model is None:
-                model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+                model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
                 cfg_eos = model.config.eos_token_id
                 eos = set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) - {None}
             seqs = generate_batch(model, [rows[i]["input_ids"] for i in batch], s.max_new_tokens, eos, s.teacher_topk)

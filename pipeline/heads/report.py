@@ -19,28 +19,29 @@ def evaluate_heads(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], rank_
     from runtime.tree import Tree
 
     heads.eval()
+    dev = next(heads.parameters()).device
     D = heads.config.num_heads
     hits1, hits5, counts = np.zeros(D), np.zeros(D), np.zeros(D)
     rollouts = []
     for s in seqs:
-        P, y = int(s["prompt_len"]), s["tokens"]
+        P, y = int(s["prompt_len"]), s["tokens"].to(dev)
         T = len(y)
         if T < 2:
             continue
-        ctx = heads.context(s["hidden"].float())[P - 1:P - 1 + T]
-        step = torch.arange(T)[:, None]
-        ahead = step + torch.arange(D + 1)[None, :]
+        ctx = heads.context(s["hidden"].to(dev).float())[P - 1:P - 1 + T]
+        step = torch.arange(T, device=dev)[:, None]
+        ahead = step + torch.arange(D + 1, device=dev)[None, :]
         nxt = torch.where(ahead < T, y[ahead.clamp(max=T - 1)], -1)         # [T, D+1]: y_{i+1..i+1+D}
         logits = heads.teacher_forced_logits(ctx, nxt[:, :D].clamp(min=0))  # [T, D, V]
         target = nxt[:, 1:]
         tl = logits.gather(-1, target.clamp(min=0)[..., None])
         ranks = (logits > tl).sum(-1)
         ok = target >= 0
-        hits1 += ((ranks == 0) & ok).sum(0).numpy()
-        hits5 += ((ranks < 5) & ok).sum(0).numpy()
-        counts += ok.sum(0).numpy()
+        hits1 += ((ranks == 0) & ok).sum(0).cpu().numpy()
+        hits5 += ((ranks < 5) & ok).sum(0).cpu().numpy()
+        counts += ok.sum(0).cpu().numpy()
         rp = torch.where(ok, ranks.clamp(max=rank_cap), rank_cap)
-        rollouts.append({"rank_paths": rp.numpy().astype(np.int64)})
+        rollouts.append({"rank_paths": rp.cpu().numpy().astype(np.int64)})
     report: dict[str, Any] = {
         "sequences": len(rollouts),
         "positions": int(counts[0]),

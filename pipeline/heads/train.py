@@ -28,40 +28,49 @@ from runtime.heads import DraftHeads
 log = logging.getLogger(__name__)
 
 
+def heads_device(heads: DraftHeads) -> torch.device:
+    """Where the heads' parameters live (training data is moved there batch by batch)."""
+    return next(heads.parameters()).device
+
+
 def sequence_batch(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Training rows of continuation steps: context vectors h [M, dim], true tokens [M, D], and for
-    each head the teacher's top-k of its target [M, D, k] with a validity mask [M, D]."""
+    each head the teacher's top-k of its target [M, D, k] with a validity mask [M, D], on the
+    heads' device (the continuations stay on the host until their batch is built)."""
     D = heads.config.num_heads
+    dev = heads_device(heads)
     hs, toks, ids, ps, valid = [], [], [], [], []
     for s in seqs:
-        P, y = int(s["prompt_len"]), s["tokens"]
+        P, y = int(s["prompt_len"]), s["tokens"].to(dev)
         T = len(y)
-        ctx = heads.context(s["hidden"].float())[P - 1:P - 1 + T]           # [T, dim], step i at row i
-        step = torch.arange(T)[:, None]
-        ahead = step + torch.arange(D)[None, :]                             # y_{i+1+j}: index i+j
+        ctx = heads.context(s["hidden"].to(dev).float())[P - 1:P - 1 + T]   # [T, dim], step i at row i
+        step = torch.arange(T, device=dev)[:, None]
+        ahead = step + torch.arange(D, device=dev)[None, :]                 # y_{i+1+j}: index i+j
         toks.append(torch.where(ahead < T, y[ahead.clamp(max=T - 1)], 0))
-        target_step = step + torch.arange(1, D + 1)[None, :]                # head d learns step i+d's distribution
+        target_step = step + torch.arange(1, D + 1, device=dev)[None, :]    # head d learns step i+d's distribution
         ok = target_step < T
         tgt = target_step.clamp(max=T - 1)
-        ids.append(s["topk_ids"][tgt].long())
-        ps.append(s["topk_p"][tgt].float() * ok[..., None])
+        ids.append(s["topk_ids"].to(dev)[tgt].long())
+        ps.append(s["topk_p"].to(dev)[tgt].float() * ok[..., None])
         valid.append(ok)
         hs.append(ctx)
     return {"h": torch.cat(hs), "tokens": torch.cat(toks), "ids": torch.cat(ids), "p": torch.cat(ps),
             "valid": torch.cat(valid)}
 
 
-def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], negatives: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], negatives: int | None = None,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean over heads of each head's mean cross-entropy against the teacher, per-head losses [D]
     detached). `negatives=None`: softmax over the whole output vocabulary; an int n: over the
-    batch's candidates only (every teacher top-k id plus n uniform draws from the global RNG)."""
+    batch's candidates only (every teacher top-k id plus n uniform draws from `generator`, on the
+    heads' device; None: the default generator of that device)."""
+    dev = heads_device(heads)
     states = heads.head_states(batch["h"], batch["tokens"])                 # [M, D, dim]
     ids, p = batch["ids"], batch["p"]
     v_out = heads.config.draft_vocab_size or heads.config.vocab_size
     if heads.draft_ids is not None:  # targets outside the draft vocabulary carry no learnable mass
-        inv = torch.full((heads.config.vocab_size,), -1, dtype=torch.long)
-        inv[heads.draft_ids] = torch.arange(len(heads.draft_ids))
+        inv = torch.full((heads.config.vocab_size,), -1, dtype=torch.long, device=dev)
+        inv[heads.draft_ids] = torch.arange(len(heads.draft_ids), device=dev)
         ids = inv[ids]
         p = torch.where(ids >= 0, p, 0.0)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
@@ -69,9 +78,10 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], negatives: i
     if negatives is None:
         logits = heads.output_logits(states).float()                        # [M, D, V_out]
     else:
-        cand = torch.unique(torch.cat([ids.flatten(), torch.randint(0, v_out, (negatives,))]))
-        slot = torch.full((v_out,), -1, dtype=torch.long)
-        slot[cand] = torch.arange(len(cand))
+        draws = torch.randint(0, v_out, (negatives,), device=dev, generator=generator)
+        cand = torch.unique(torch.cat([ids.flatten(), draws]))
+        slot = torch.full((v_out,), -1, dtype=torch.long, device=dev)
+        slot[cand] = torch.arange(len(cand), device=dev)
         logits = heads.candidate_logits(states, cand).float()               # [M, D, C]
         ids = slot[ids]
     ce = torch.logsumexp(logits, dim=-1) - (p * logits.gather(-1, ids)).sum(-1)   # [M, D]
@@ -107,7 +117,8 @@ def total_steps_for(n_seqs: int, s: TrainSettings) -> int:
     return max(1, math.ceil(s.epochs * n_seqs / s.batch_sequences))
 
 
-def _save_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer, step: int, meta: dict[str, Any]) -> None:
+def _save_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer, step: int, meta: dict[str, Any],
+                     generator: torch.Generator | None = None) -> None:
     tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in heads.state_dict().items()}
     names = [n for n, _ in heads.named_parameters()]
     for i, name in enumerate(names):
@@ -115,16 +126,21 @@ def _save_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer, 
         for k, v in st.items():
             tensors[f"optim.{name}.{k}"] = (v if torch.is_tensor(v) else torch.tensor(v)).detach().clone().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
+    if generator is not None:
+        tensors["rng.negatives"] = generator.get_state()
     info = {**meta, "step": step, "param_names": names}
     atomic_write_bytes(path, save(tensors, metadata={"checkpoint": json.dumps(info)}))
 
 
-def _load_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _load_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer,
+                     generator: torch.Generator | None = None) -> dict[str, Any]:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         info = json.loads(f.metadata()["checkpoint"])
-    tensors = load_file(str(path))
+    tensors = load_file(str(path), device=str(heads_device(heads)))
+    # RNG states are host byte tensors whatever the device
+    rng = {k: tensors.pop(k).cpu() for k in [k for k in tensors if k.startswith("rng.")]}
     heads.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
     params = dict(heads.named_parameters())
     if info["param_names"] != list(params):
@@ -134,13 +150,19 @@ def _load_checkpoint(path: Path, heads: DraftHeads, opt: torch.optim.Optimizer) 
               and k[len(f"optim.{name}."):].count(".") == 0}
         if st:
             opt.state[p] = st
-    torch.set_rng_state(tensors["rng.torch"])
+    torch.set_rng_state(rng["rng.torch"])
+    if generator is not None:
+        # checkpoints from before the negatives had their own generator drew them from the CPU
+        # default generator, whose state is rng.torch
+        generator.set_state(rng.get("rng.negatives", rng["rng.torch"]))
     return info
 
 
 def train_loop(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], s: TrainSettings, work_dir: Path,
                run_key: str, stop_after: int | None = None) -> dict[str, Any]:
-    """Train `heads` (bound, float32) on `seqs`; resumable from `work_dir/checkpoint.safetensors`.
+    """Train `heads` (bound, float32 parameters, on their device) on `seqs` (host tensors);
+    resumable from `work_dir/checkpoint.safetensors`. `s.dtype` other than float32 runs the
+    forward under autocast to that dtype.
 
     `stop_after` ends the call after that many steps of this run (a test's simulated interruption)."""
     total = total_steps_for(len(seqs), s)
@@ -149,9 +171,15 @@ def train_loop(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], s: TrainS
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
     ckpt = work_dir / "checkpoint.safetensors"
     start, history = 0, []
+    dev = heads_device(heads)
     torch.manual_seed(s.seed)
+    # the negatives' own generator on the training device: on the CPU the same stream as the
+    # default generator after manual_seed(seed), so CPU training is unchanged by it
+    negatives_rng = torch.Generator(device=dev)
+    negatives_rng.manual_seed(s.seed)
+    autocast = torch.autocast(dev.type, dtype=getattr(torch, s.dtype), enabled=s.dtype != "float32")
     if ckpt.is_file():
-        info = _load_checkpoint(ckpt, heads, opt)
+        info = _load_checkpoint(ckpt, heads, opt, negatives_rng)
         if info.get("run_key") != run_key:
             raise ValueError(f"checkpoint {ckpt} belongs to another configuration; delete it to start over")
         start, history = int(info["step"]), list(info.get("history", []))
@@ -165,7 +193,8 @@ def train_loop(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], s: TrainS
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, s)
         batch = sequence_batch(heads, [seqs[i] for i in schedule[step]])
-        loss, per_head = distill_loss(heads, batch, s.negatives if s.loss == "sampled" else None)
+        with autocast:
+            loss, per_head = distill_loss(heads, batch, s.negatives if s.loss == "sampled" else None, negatives_rng)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if s.grad_clip:
@@ -176,7 +205,8 @@ def train_loop(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], s: TrainS
         done += 1
         last = step + 1 == total
         if (step + 1) % s.checkpoint_every == 0 or last or (stop_after is not None and done >= stop_after):
-            _save_checkpoint(ckpt, heads, opt, step + 1, {"run_key": run_key, "history": history, "total": total})
+            _save_checkpoint(ckpt, heads, opt, step + 1, {"run_key": run_key, "history": history, "total": total},
+                             negatives_rng)
         if stop_after is not None and done >= stop_after and not last:
             break
     bar.close()

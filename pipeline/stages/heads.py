@@ -13,7 +13,7 @@ from pipeline.graph import forced, once_per_config, plain
 from pipeline.paths import Layout
 from pipeline.stages import model as model_stage
 
-READS = ("heads", "model.name", "profile.max_prompt_tokens")
+READS = ("heads", "model.name", "profile.max_prompt_tokens")  # `device` only decides where training runs
 
 
 @once_per_config
@@ -35,4 +35,4 @@ def output(cfg: DictConfig) -> Path:
         task_cfg = plain(cfg.task) if task == cfg.task.name else load_task_config(task)
         prepare_task(task_cfg, {"max_prompt_tokens": int(cfg.profile.max_prompt_tokens)}, model_dir, lay.data)
     return train_heads(plain(cfg.heads), model_dir, lay.data, lay.artifacts, force=forced(cfg, "heads"),
-                       model_name=lay.model_name)
+                       model_name=lay.model_name, device=str(cfg.device))
