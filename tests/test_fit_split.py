@@ -14,23 +14,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 import pipeline.prepare
 from pipeline.rollout import load_rollout
-from tests.helpers import MODEL_NAME, REPO, TinyBundle
+from tests.helpers import MODEL_NAME, TinyBundle, tiny_pipeline_cfg
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _cfg(artifacts: Path, data: Path, bundle: TinyBundle, *extra: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*extra,
-            "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
-            f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
-            "threads=1", "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",
-            "profile.max_new_tokens=6", "profile.eval_prompts=2", "time.rounds=1", "time.new_tokens=4",
-            "grow.candidate_sizes=[0,2,4,8]", f"artifacts_dir={artifacts}", f"data_dir={data}"])
 
 
 def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: Path,
@@ -47,7 +36,7 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
         return real_read_split(data_dir, task, split, *args, **kwargs)
 
     monkeypatch.setattr(pipeline.prepare, "read_split", recording_read_split)
-    cfg = _cfg(artifacts, data, bundle)
+    cfg = tiny_pipeline_cfg(artifacts, data, bundle)
     graph.clear_memo()
     bank_dir = graph.run(cfg)
 
@@ -76,5 +65,5 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
     stage_dirs = [work / "rollout", work / "grow", work / "recalibrate", work / "time", bank_dir]
     before = {d: (d / "manifest.json").read_text() for d in stage_dirs}
     graph.clear_memo()
-    assert graph.run(_cfg(artifacts, data, bundle, "profile.eval_prompts=1")) == bank_dir
+    assert graph.run(tiny_pipeline_cfg(artifacts, data, bundle, "profile.eval_prompts=1")) == bank_dir
     assert {d: (d / "manifest.json").read_text() for d in stage_dirs} == before

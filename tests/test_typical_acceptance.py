@@ -18,7 +18,7 @@ import torch
 from runtime.decoder import TreeDecoder, TypicalAcceptance, acceptance_dict, make_acceptance
 from runtime.sampling import Sampler
 from runtime.tree import Tree, TreeBuffers
-from tests.helpers import DECODER_TREES, tiny_heads, tiny_model
+from tests.helpers import DECODER_TREES, tiny_heads, tiny_model, tiny_pipeline_cfg
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -211,26 +211,12 @@ def test_cli_generate_with_typical_acceptance(bundle, capsys) -> None:  # noqa: 
 # --- pipeline -------------------------------------------------------------------------------------
 
 
-def _pipeline_cfg(artifacts, data, bundle, *extra: str):  # noqa: ANN001, ANN202 - paths, bundle, DictConfig
-    from hydra import compose, initialize_config_dir
-
-    from tests.helpers import MODEL_NAME, REPO
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*extra,
-            "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
-            f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
-            "threads=1", "profile.calib_prompts=2", "profile.recalib_prompts=1", "profile.timing_prompts=1",
-            "profile.max_new_tokens=6", "profile.eval_prompts=1", "time.rounds=1", "time.new_tokens=4",
-            "grow.candidate_sizes=[0,2,4]", f"artifacts_dir={artifacts}", f"data_dir={data}"])
-
-
 def test_config_refuses_typical_acceptance_with_sampling(bundle, tmp_path) -> None:  # noqa: ANN001 - fixtures
     from pipeline.validate import config_problems
 
-    cfg = _pipeline_cfg(tmp_path, tmp_path, bundle, "acceptance.kind=typical", "sampling.temperature=0.7")
+    cfg = tiny_pipeline_cfg(tmp_path, tmp_path, bundle, "acceptance.kind=typical", "sampling.temperature=0.7")
     assert any("acceptance.kind=typical decides with its own temperature" in p for p in config_problems(cfg))
-    cfg = _pipeline_cfg(tmp_path, tmp_path, bundle, "acceptance.kind=nucleus")
+    cfg = tiny_pipeline_cfg(tmp_path, tmp_path, bundle, "acceptance.kind=nucleus")
     assert any("acceptance.kind='nucleus' is not valid" in p for p in config_problems(cfg))
 
 
@@ -244,12 +230,12 @@ def test_typical_bank_shares_the_rollout_and_records_its_acceptance(bundle, tmp_
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
     graph.clear_memo()
-    exact_bank = graph.run(_pipeline_cfg(artifacts, data, bundle))
+    exact_bank = graph.run(tiny_pipeline_cfg(artifacts, data, bundle))
     work = artifacts / "rollouts" / MODEL_NAME / "hydra" / "humaneval" / "cpu"
     shared = {d: (work / d / "manifest.json").read_text() for d in ("rollout", "grow")}
 
     graph.clear_memo()
-    typical_bank = graph.run(_pipeline_cfg(artifacts, data, bundle, "acceptance.kind=typical"))
+    typical_bank = graph.run(tiny_pipeline_cfg(artifacts, data, bundle, "acceptance.kind=typical"))
     tag = "typT0.7e0.09a0.3"
     assert typical_bank == exact_bank.parent / f"humaneval@{tag}"
     # rollout and grow (exact replay) are shared; recalibrate and time are measured again
