@@ -154,3 +154,36 @@ def test_ordinary_bf16_decoding_diverges_invariant_does_not(rows: int | None) ->
             res = TreeDecoder(model, heads, [TreeBuffers.compile(tree)]).generate(ids, 24, eos_ids=())
             differ += res.tokens != ref
     assert (differ > 0) if rows is None else (differ == 0), differ
+
+
+def test_numerical_divergences_are_listed_within_the_rounding_bound() -> None:
+    """`lossless: numerical`: evaluate lists each output that leaves AR's with its position, AR's
+    top-2 gap there and the bf16 rounding bound; the real divergences of the ordinary arithmetic
+    lie within it, a forged one (a token AR's logits clearly reject) does not."""
+    from pipeline.evaluate import list_divergences
+
+    rows, recs, listed = [], {"AR": [], "tree": []}, 0
+    for seed in range(6):
+        model = bf16_model(seed % 2, rows=None)
+        heads = heads_for(model, seed % 3)
+        ids = torch.randint(0, 500, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ref, _ = ar_tokens_and_rows(model, ids, 24)
+        got = TreeDecoder(model, heads, [TreeBuffers.compile(Tree.named("mc_sim_7b_63"))]).generate(ids, 24, eos_ids=()).tokens
+        rows.append({"id": f"p{seed}", "input_ids": ids})
+        recs["AR"].append({"id": f"p{seed}", "tokens": ref})
+        recs["tree"].append({"id": f"p{seed}", "tokens": got})
+        found = list_divergences(model, rows[-1:], {k: v[-1:] for k, v in recs.items()}, "bfloat16")
+        assert len(found) == int(got != ref)
+        for d in found:
+            assert d["kind"] == "token" and d["method"] == "tree" and d["prompt"] == f"p{seed}"
+            assert d["ar_token"] == ref[d["position"]] != d["method_token"] == got[d["position"]]
+            assert ref[: d["position"]] == got[: d["position"]]
+            assert 0 <= d["top2_gap"] <= d["gap_ar_vs_method_token"] + 1e-6 and d["within_bound"], d
+            listed += 1
+    assert listed, "no divergence to list: the model no longer shows the problem"
+    model = bf16_model(0, rows=None)
+    _, ar_rows = ar_tokens_and_rows(model, rows[0]["input_ids"], 24)
+    forged = list(recs["AR"][0]["tokens"])
+    forged[5] = int(ar_rows[4].argmin())  # the least likely token at position 5
+    (d,) = list_divergences(model, rows[:1], {"AR": recs["AR"][:1], "x": [{"id": "p0", "tokens": forged}]}, "bfloat16")
+    assert d["position"] == 5 and not d["within_bound"], d
