@@ -80,6 +80,78 @@ def _hf_method(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Dec
     return run
 
 
+def _ordinary_ar_method(model) -> Decode:
+    """AR with the ordinary arithmetic on the row-invariant model (`lossless: exact`): the speed
+    that invariance is paid against, side by side."""
+    ar = _ar_method(model)
+
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        rows = model.invariant_rows
+        model.set_row_invariance(None)
+        try:
+            return ar(ids, n)
+        finally:
+            model.set_row_invariance(rows)
+    return run
+
+
+# unit roundoff u = 2^-p of each dtype (p: significand bits, the implicit one included)
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
+
+
+@torch.inference_mode()
+def _ar_reference_row(model, ids: list[int], ar_tokens: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits row [V] (float32) and final-normed hidden state [dim] with which AR chose its
+    token t: the same prefill, then AR's one-token forwards (in the model's current arithmetic)."""
+    dev = model.device
+    model.reset_cache()
+    logits, hidden = model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev), last_only=True)
+    for tok in ar_tokens[:t]:
+        logits, hidden = model(torch.tensor([[tok]], device=dev), torch.tensor([model.cache_len], device=dev))
+    return logits[0, -1], hidden[0, -1]
+
+
+def list_divergences(model, rows: list[dict], recs: dict[str, list[dict]], dtype: str) -> list[dict[str, Any]]:
+    """Every output that leaves AR's: where (prompt, first differing position, method), AR's top-2
+    logit gap there, and whether that gap lies within the rounding bound of `dtype`.
+
+    The bound. Two arithmetics of the same forward (AR's one-token product, a tree verify's N-row
+    one) compute logit j = sum_i h_i w_ji from final hidden states that agree to within the
+    dtype's rounding; with u the unit roundoff and S_j = sum_i |h_i w_ji| (the dot product's
+    accumulated magnitude) a relative difference of at most 2u in h (both sides rounded once
+    each) moves logit j by at most 2u S_j, and rounding the result in each arithmetic by at most
+    2u |z_j| <= 2u S_j more: |dz_j| <= 4u S_j. The argmax can move from AR's token a to b only if
+    z_a - z_b <= |dz_a| + |dz_b|, so a divergence that rounding explains has
+    gap(a, b) <= bound = 4u (S_a + S_b); AR's top-2 gap is at most gap(a, b). A divergence
+    outside the bound is not rounding of this kind (a bug, or a method with other arithmetic
+    altogether, like transformers' generate)."""
+    u = UNIT_ROUNDOFF[dtype]
+    out: list[dict[str, Any]] = []
+    ar = {r["id"]: r["tokens"] for r in recs["AR"]}
+    weight = model.output.weight
+    for method, rs in recs.items():
+        if method == "AR":
+            continue
+        for row, r in zip(rows, rs):
+            ref, got = ar[r["id"]], r["tokens"]
+            if got == ref:
+                continue
+            t = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), min(len(ref), len(got)))
+            if t >= min(len(ref), len(got)):  # one stopped early (EOS): no position where both chose
+                out.append({"prompt": r["id"], "method": method, "position": t, "kind": "length"})
+                continue
+            logits, h = _ar_reference_row(model, row["input_ids"], ref, t)
+            a, b = ref[t], got[t]
+            top2 = logits.topk(2).values
+            s = (h.float().abs()[None] * weight[[a, b]].float().abs()).sum(-1)
+            bound = 4 * u * float(s.sum())
+            gap_ab = float(logits[a] - logits[b])
+            out.append({"prompt": r["id"], "method": method, "position": t, "ar_token": a, "method_token": b,
+                        "top2_gap": round(float(top2[0] - top2[1]), 6), "gap_ar_vs_method_token": round(gap_ab, 6),
+                        "bound": round(bound, 6), "within_bound": gap_ab <= bound, "kind": "token"})
+    return out
+
+
 @torch.inference_mode()
 def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
     """Mean negative log-likelihood (nats) of `cont` after `prompt` under the base model."""
@@ -120,6 +192,8 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
 
     methods: dict[str, Decode] = {"AR": _ar_method(model)}
+    if model.invariant_rows is not None:
+        methods["AR (ordinary arithmetic)"] = _ordinary_ar_method(model)
     if cfg.evaluate.hf_generate:
         methods["HF generate"] = _hf_method(model_stage.output(cfg), model.device, model.dtype)
     try:
@@ -161,6 +235,12 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
         oracle_steps += len(sched)
         if ro["tokens"].tolist() != ar_tokens[row["id"]]:
             log.info("%s", f"[evaluate] note: rollout and AR differ on {row['id']} (float tie)")
+
+    divergences = list_divergences(model, rows, recs, str(model.dtype).removeprefix("torch."))
+    atomic_write_json(out / "divergences.json", {"lossless": str(cfg.lossless), "dtype": str(model.dtype),
+                                                  "invariant_rows": model.invariant_rows, "divergences": divergences})
+    for d in divergences:
+        log.info("%s", f"[evaluate] divergence from AR: {d}")
 
     ar = recs["AR"]
     rows_out = []

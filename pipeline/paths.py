@@ -129,8 +129,12 @@ class Layout:
 
     @property
     def dtype_choice(self) -> Path:
-        """The measured fp32-vs-bf16 choice of `dtype: auto` on this machine."""
+        """The measured fp32-vs-bf16 choice of `dtype: auto` on this machine (ordinary arithmetic)."""
         return self.model_reports / "dtype_choice.json"
+
+    def dtype_choice_invariant(self, rows: int) -> Path:
+        """The same choice between row-invariant models padded to `rows` rows (`lossless: exact`)."""
+        return self.model_reports / f"dtype_choice_invariant{rows}.json"
 
     @property
     def heads_reports(self) -> Path:

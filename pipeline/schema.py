@@ -280,7 +280,12 @@ class PipelineConfig:
     artifacts_dir: str = "artifacts"
     data_dir: str = "data"
     seed: int = at_least(0, 0)
-    dtype: str = choice("auto", *DTYPES)   # auto: the faster of float32 / bfloat16 on this machine
+    dtype: str = choice("auto", *DTYPES)   # auto: the faster of float32 / bfloat16 on this machine (in the lossless mode's arithmetic)
+    # exact: every decode forward is row-invariant (padded to invariant_rows rows, keys in logical
+    # order), so tree decoding equals AR token for token in any dtype; numerical: the fastest
+    # arithmetic, divergences from AR listed and checked against a rounding bound (evaluate)
+    lossless: str = choice("exact", "exact", "numerical")
+    invariant_rows: int = at_least(8, 1)  # padded row count of every decode forward under lossless=exact
     device: str = choice("cpu", "cpu", "cuda")
     threads: Optional[int] = at_least(None, 1)  # torch threads; null: torch's default
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

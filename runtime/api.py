@@ -60,6 +60,10 @@ def render_chat(model_dir: Path, prompt: str, system: str | None = None) -> str:
                                             bos_token=special("bos_token"), eos_token=special("eos_token"))
 
 
+LOSSLESS_MODES = ("exact", "numerical")
+DEFAULT_INVARIANT_ROWS = 8
+
+
 class EntMTP:
     """A model + draft heads + TopologyBank, ready to decode losslessly with per-step tree choice."""
 
@@ -95,11 +99,19 @@ class EntMTP:
         force: bool = False,
         device: str | torch.device | None = None,
         acceptance: Acceptance | dict | None = None,
+        lossless: str | None = None,
+        invariant_rows: int | None = None,
     ) -> EntMTP:
         """Load the bank, then the model and heads it was built for (paths from its provenance
         unless given). `dtype` defaults to the bank's (the one its figures were measured in);
         `device` to the one the bank was built on, or the CPU, with a warning, when that device
-        is not available here; `acceptance` to the bank's (see `EntMTP.__init__`)."""
+        is not available here; `acceptance` to the bank's (see `EntMTP.__init__`).
+
+        `lossless`: "exact" makes every decode forward row-invariant (`Transformer.set_row_invariance`,
+        padded to `invariant_rows` rows), so `generate` equals `generate_ar` token for token in any
+        dtype; "numerical" keeps the ordinary, fastest arithmetic, where a bf16 tree verify and a
+        one-token AR forward can round a near-tied argmax apart. Both default to what the bank was
+        built and measured with ("exact" with 8 rows for a bank that records neither)."""
         bank_dir = Path(bank_dir)
         probe = TopologyBank.load(bank_dir, force=True)  # read provenance first: where are the weights?
         prov = probe.provenance
@@ -116,6 +128,11 @@ class EntMTP:
         recorded = prov.get("device") or (prov.get("config") or {}).get("device")
         dev = resolve_device(device, recorded)
         model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len, device=dev)
+        mode = lossless or prov.get("lossless") or "exact"
+        if mode not in LOSSLESS_MODES:
+            raise ValueError(f"lossless must be one of {', '.join(LOSSLESS_MODES)}, got {mode!r}")
+        rows = invariant_rows or prov.get("invariant_rows") or DEFAULT_INVARIANT_ROWS
+        model.set_row_invariance(int(rows) if mode == "exact" else None)
         heads = load_heads(heads_dir, model=model)
         bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_dir),
                                  heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.config.num_heads,

@@ -23,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
         acceptance = {"kind": args.acceptance, "temperature": args.typical_temperature, "epsilon": args.epsilon,
                       "alpha": args.alpha}
     engine = EntMTP.load(args.bank, model_dir=args.model, heads_dir=args.heads, dtype=args.dtype, force=args.force,
-                         device=args.device, acceptance=acceptance)
+                         device=args.device, acceptance=acceptance, lossless=args.lossless)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
     out = engine.generate(prompt, args.max_new_tokens, policy=args.policy, chat=not args.raw,
@@ -32,10 +32,13 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"\n[entmtp] {json.dumps(out.stats)}", file=sys.stderr)
     if args.compare_ar:
         ar = engine.generate_ar(prompt, args.max_new_tokens, chat=not args.raw, **sampling)
+        mode = "exact" if engine.model.invariant_rows else "numerical"
         if engine.acceptance != "exact":
             same = "identical" if ar.tokens == out.tokens else "different (typical acceptance changes the output)"
         else:
-            same = "identical" if ar.tokens == out.tokens else "DIFFERENT (see README: floating-point ties)"
+            same = "identical" if ar.tokens == out.tokens else (
+                "DIFFERENT (lossless numerical: a near-tied argmax rounded apart; see README)" if mode == "numerical"
+                else "DIFFERENT under lossless exact: a bug, please report it")
         print(f"[entmtp] AR {ar.stats['tok_per_s']} tok/s vs EntMTP {out.stats['tok_per_s']} tok/s "
               f"({out.stats['tok_per_s'] / ar.stats['tok_per_s']:.2f}x); output {same}", file=sys.stderr)
     return 0
@@ -96,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default=None, help="model folder (default: the bank's)")
     g.add_argument("--heads", default=None, help="heads folder (default: the bank's)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--lossless", default=None, choices=["exact", "numerical"],
+                   help="exact: row-invariant forwards, output identical to AR in any dtype; numerical: the "
+                        "fastest arithmetic (default: the bank's)")
     g.add_argument("--device", default=None,
                    help="cpu, cuda, cuda:1, ... (default: the device the bank was built on, else the CPU)")
     g.add_argument("--force", action="store_true", help="use a bank built for other weights (still lossless)")

@@ -249,6 +249,34 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+@dataclass
+class RowPlan:
+    """How one row-invariant forward (see `Transformer.set_row_invariance`) attends: shared by all
+    layers. `groups` holds (row indices, key slots [r, L]) per key count L: each listed row attends
+    to exactly those cache slots, in that order (the committed prefix, then its ancestors among the
+    new tokens by depth, itself last), which is the order AR holds the same keys in. Pad rows
+    (`real` and after) are in no group: they exist for the matrix products' row count only."""
+
+    write_at: int   # cache slot of row 0's K/V
+    real: int       # rows that are tokens; the rest are padding
+    groups: list[tuple[Tensor, Tensor]]
+
+
+def row_plan(start: int, ancestors: list[list[int]], lo: int, hi: int, device: torch.device) -> RowPlan:
+    """The plan for new tokens lo..hi-1 of a forward that appends after `start` committed slots;
+    ancestors[i] lists the new tokens (indices, increasing, i itself last) token i attends to."""
+    by_count: dict[int, list[int]] = {}
+    for i in range(lo, hi):
+        by_count.setdefault(len(ancestors[i]), []).append(i)
+    prefix = torch.arange(start, device=device)
+    groups = []
+    for count, members in by_count.items():
+        tail = torch.tensor([[start + j for j in ancestors[i]] for i in members], dtype=torch.long, device=device)
+        keys = torch.cat([prefix.expand(len(members), start), tail], dim=1)
+        groups.append((torch.tensor([i - lo for i in members], dtype=torch.long, device=device), keys))
+    return RowPlan(write_at=start + lo, real=hi - lo, groups=groups)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -276,6 +304,28 @@ class Attention(nn.Module):
         out = out.view(kvh, groups, n, hd).permute(2, 0, 1, 3).reshape(n, h * hd)
         return self.wo(out)
 
+    def forward_invariant(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
+        """Row-invariant attention (see `RowPlan`): x has the plan's padded row count; only its first
+        `plan.real` rows' K/V are written (at slots `plan.write_at ...`); every row attends over
+        its own keys gathered in logical order, one SDPA call per key count, without a mask."""
+        rows = x.shape[0]
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        groups = h // kvh
+        qkv = self.wqkv(x).view(rows, h + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
+        at, real = plan.write_at, plan.real
+        kv[0, :, at:at + real] = qk[:real, h:].transpose(0, 1)
+        kv[1, :, at:at + real] = qkv[:real, h + kvh:].transpose(0, 1)
+        q = qk[:, :h].view(rows, kvh, groups, hd)
+        out = torch.empty_like(q)
+        for members, keys in plan.groups:
+            r, length = keys.shape
+            # [kvh, r*L, hd] -> [r, kvh, L, hd]: each row's keys, in the order AR would hold them
+            k = kv[0].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
+            v = kv[1].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
+            out[members] = F.scaled_dot_product_attention(q[members], k, v)
+        return self.wo(out.reshape(rows, h * hd))
+
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -301,6 +351,10 @@ class TransformerBlock(nn.Module):
         x = x + self.attention(self.attention_norm(x), cos, sin, kv, start, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
+    def forward_invariant(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
+        x = x + self.attention.forward_invariant(self.attention_norm(x), cos, sin, kv, plan)
+        return x + self.feed_forward(self.ffn_norm(x))
+
 
 class Transformer(nn.Module):
     """Llama-family causal LM, batch size 1, with a preallocated KV cache (see module docstring)."""
@@ -322,6 +376,7 @@ class Transformer(nn.Module):
         self._layer_caches: list[Tensor] = []
         self._cache_len = 0
         self.max_seq_len = 0
+        self.invariant_rows: int | None = None  # see set_row_invariance
 
     # -- cache ------------------------------------------------------------------------------
 
@@ -366,6 +421,22 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.add_fast_paths()
+
+    def set_row_invariance(self, rows: int | None) -> None:
+        """Make every decode forward compute each token's row bit-identically however many tokens
+        the call holds and wherever they sit (None: off, the fastest arithmetic).
+
+        Matrix-product kernels block their work by the number of rows, so the same row rounds
+        differently in a 1-row and an N-row product, and attention over a tree's masked slots sums
+        its keys in another order than over AR's contiguous cache. With `rows` = P set, a forward of
+        n <= P tokens is padded to exactly P rows (pad rows' K/V are never written), a larger one
+        runs in chunks of P, and each token attends over its own keys gathered in logical order
+        (prefix, then its ancestors by depth), with no mask. AR decoding (one token) and every tree
+        verify then produce the same logits for the same position in any dtype. A prefill (mask
+        None, more than one token) keeps the ordinary path: AR and tree decoding share it."""
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ValueError(f"row invariance takes a positive padded row count or None, got {rows!r}")
+        self.invariant_rows = rows
 
     def truncate_cache(self, length: int) -> None:
         """Forget every slot from `length` on."""
@@ -452,6 +523,8 @@ class Transformer(nn.Module):
         if start + n > self.max_seq_len:
             raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
                              "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
+        if self.invariant_rows is not None and (mask is not None or n == 1):
+            return self._forward_invariant(tokens, input_pos, mask, last_only)
         attn_mask = self._attention_mask(mask, start, n, check_mask)
         cos = self.rope_cos[input_pos].unsqueeze(1)
         sin = self.rope_sin[input_pos].unsqueeze(1)
@@ -463,6 +536,46 @@ class Transformer(nn.Module):
         hidden = self.norm(x)
         logits = self.output(hidden[-1:] if last_only else hidden).float()
         return logits.unsqueeze(0), hidden.unsqueeze(0)
+
+
+    def _forward_invariant(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None,
+                           last_only: bool) -> tuple[Tensor, Tensor]:
+        """`forward` under row invariance (see `set_row_invariance`): chunks of `invariant_rows`
+        tokens, each padded to that many rows. Reads the mask on the host."""
+        rows = self.invariant_rows
+        assert rows is not None
+        n, start, dev = tokens.shape[1], self._cache_len, self.device
+        if mask is None:
+            ancestors = [list(range(i + 1)) for i in range(n)]
+        else:
+            m = mask.cpu()
+            ancestors = [m[i, : i + 1].nonzero().flatten().tolist() for i in range(n)]
+            if any(a[-1:] != [i] for i, a in enumerate(ancestors)) or bool(m.triu(1).any()):
+                raise ValueError("under row invariance the mask must let each token attend to itself and to earlier "
+                                 "tokens only (a tree in node order)")
+        logits, hiddens = [], []
+        for lo in range(0, n, rows):
+            hi = min(lo + rows, n)
+            plan = row_plan(start, ancestors, lo, hi, dev)
+            pad = rows - (hi - lo)
+            chunk_tokens = tokens[0, lo:hi]
+            chunk_pos = input_pos[lo:hi]
+            if pad:  # pad rows repeat the first token; their results are dropped
+                chunk_tokens = torch.cat([chunk_tokens, chunk_tokens[:1].expand(pad)])
+                chunk_pos = torch.cat([chunk_pos, chunk_pos[:1].expand(pad)])
+            cos = self.rope_cos[chunk_pos].unsqueeze(1)
+            sin = self.rope_sin[chunk_pos].unsqueeze(1)
+            x = self.tok_embeddings(chunk_tokens)
+            for layer, kv in zip(self.layers, self._layer_caches):
+                x = layer.forward_invariant(x, cos, sin, kv, plan)
+            hidden = self.norm(x)
+            # the lm_head too sees all `rows` rows, so a token's logits do not depend on n
+            logits.append(self.output(hidden)[: hi - lo].float())
+            hiddens.append(hidden[: hi - lo])
+            self._cache_len = start + hi
+        out = logits[0] if len(logits) == 1 else torch.cat(logits)
+        hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
+        return (out[-1:] if last_only else out).unsqueeze(0), hidden.unsqueeze(0)
 
 
 # ----------------------------------------------------------------------------------------------

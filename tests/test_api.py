@@ -221,3 +221,20 @@ def test_moved_bundle_still_loads(bundle: TinyBundle, tmp_path: Path) -> None:
     engine = EntMTP.load(moved.bank_dir)
     assert engine.model_dir.resolve() == moved.model_dir.resolve()
     assert 1 <= len(engine.generate([5, 6, 7], 3).tokens) <= 3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lossless_modes_select_the_arithmetic(bundle: TinyBundle, dtype: str) -> None:
+    """lossless="exact" (the default for a bank that records no mode) makes every decode forward
+    row-invariant, "numerical" keeps the ordinary one; exact generation equals AR in bf16 too."""
+    from runtime.api import EntMTP
+
+    exact = EntMTP.load(bundle.bank_dir, dtype=dtype)
+    assert exact.model.invariant_rows == 8
+    assert EntMTP.load(bundle.bank_dir, dtype=dtype, lossless="exact", invariant_rows=3).model.invariant_rows == 3
+    assert EntMTP.load(bundle.bank_dir, dtype=dtype, lossless="numerical").model.invariant_rows is None
+    with pytest.raises(ValueError, match="lossless must be one of"):
+        EntMTP.load(bundle.bank_dir, lossless="fast")
+    ar = exact.generate_ar(PROMPT, NEW_TOKENS)
+    for policy in [*exact.bank.policies, *range(len(exact.bank.trees))]:
+        assert exact.generate(PROMPT, NEW_TOKENS, policy=policy).tokens == ar.tokens, policy

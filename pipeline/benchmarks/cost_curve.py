@@ -77,9 +77,12 @@ def measure_cost_curves(models: dict[str, Transformer], sizes: Sequence[int], co
                 for n in sizes:
                     ids = torch.randint(0, m.args.vocab_size, (1, n), generator=gen).to(m.device)
                     pos = torch.arange(ctx, ctx + n, device=m.device)
+                    # causal over the new tokens (a tree mask costs the same); passed explicitly, as a
+                    # verify passes its mask, so that a row-invariant model times its verify path
+                    mask = torch.ones(n, n, dtype=torch.bool, device=m.device).tril_()
                     _sync(m)
                     t0 = time.perf_counter()
-                    m(ids, pos)  # causal over the new tokens: a tree mask costs the same
+                    m(ids, pos, mask, check_mask=False)
                     _sync(m)
                     dt = time.perf_counter() - t0
                     m.truncate_cache(ctx)

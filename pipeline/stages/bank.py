@@ -61,6 +61,8 @@ def output(cfg: DictConfig) -> Path:
                 "model_dir": os.path.relpath(model_dir.resolve(), lay.bank_dir.resolve()),
                 "heads_dir": os.path.relpath(Path(heads_dir).resolve(), lay.bank_dir.resolve()),
                 "calib_hash": rows_hash(calib_rows(cfg)), "dtype": rk["dtype"],
+                # the arithmetic its figures were measured in (runtime.api.EntMTP.load uses it by default)
+                "lossless": str(cfg.lossless), "invariant_rows": rk.get("invariant_rows"),
                 "machine": read_json(time_dir / "timing.json")["machine"], "config": plain(cfg),
             },
         )
