@@ -5,6 +5,11 @@ all methods alike). Figures: tok/s with and without prefill, tokens per step, sp
 AR and against Hydra's default tree, the share of outputs token-identical to AR, continuation
 perplexity under the base model, and the oracle's replayed figure (best tree per step in
 hindsight over the bank, an upper bound for any policy over it).
+
+At `sampling.temperature` > 0 every method decodes with the run's seeded sampler and the
+reference is seeded AR; typical acceptance is added, and every method gets the distance of its
+output from the model's sampling distribution (pipeline/evaluate_sampling.py). transformers'
+generate is left out there (its sampler draws other noise, so it cannot match seeded AR).
 """
 
 from __future__ import annotations
@@ -31,23 +36,23 @@ Decode = Callable[[list[int], int], dict[str, Any]]
 
 log = logging.getLogger(__name__)
 
-def _spec_method(decoder, choose) -> Decode:
+def _spec_method(decoder, choose, sampler=None) -> Decode:
     def run(ids: list[int], n: int) -> dict[str, Any]:
-        r = decoder.generate(ids, n, choose=choose if isinstance(choose, int) else choose())
+        r = decoder.generate(ids, n, choose=choose if isinstance(choose, int) else choose(), sampler=sampler)
         return {"tokens": r.tokens, "prefill_s": r.prefill_seconds, "decode_s": r.decode_seconds, "steps": len(r.steps),
                 "trees": [s.tree for s in r.steps], "signals": [s.signal for s in r.steps],
                 "accepted": [s.accepted for s in r.steps]}
     return run
 
 
-def _ar_method(model) -> Decode:
+def _ar_method(model, sampler=None) -> Decode:
     from runtime.generate import ar_generate
 
     def run(ids: list[int], n: int) -> dict[str, Any]:
         # each streamed token has been read on the host, so these clock reads follow a synchronisation
         marks: list[float] = []
         t0 = clock(model.device)
-        toks = ar_generate(model, ids, n, stream=lambda _tok: marks.append(time.perf_counter()))
+        toks = ar_generate(model, ids, n, stream=lambda _tok: marks.append(time.perf_counter()), sampler=sampler)
         t1 = clock(model.device)
         pre = marks[0] - t0 if marks else t1 - t0
         return {"tokens": toks, "prefill_s": pre, "decode_s": t1 - t0 - pre, "steps": max(len(toks) - 1, 0)}
@@ -80,10 +85,10 @@ def _hf_method(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Dec
     return run
 
 
-def _ordinary_ar_method(model) -> Decode:
+def _ordinary_ar_method(model, sampler=None) -> Decode:
     """AR with the ordinary arithmetic on the row-invariant model (`lossless: exact`): the speed
     that invariance is paid against, side by side."""
-    ar = _ar_method(model)
+    ar = _ar_method(model, sampler)
 
     def run(ids: list[int], n: int) -> dict[str, Any]:
         rows = model.invariant_rows
@@ -166,58 +171,103 @@ def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
 
 
 def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
-    from pipeline.replay import accept_lengths, oracle_schedule
-    from pipeline.rollout import rollout_prompt
-    from pipeline.loaders import load_runtime, resolve_dtype
+    from pipeline.loaders import acceptance_from_cfg, load_runtime, resolve_dtype, sampler_from_cfg
+    from pipeline.paths import Layout
     from pipeline.stages import heads as heads_stage
     from pipeline.stages import model as model_stage
     from pipeline.stages.prepare import split_rows
     from runtime.bank import TopologyBank
-    from runtime.decoder import TreeDecoder
-    from runtime.policy import Scheduler, policy_from_dict
+    from runtime.fingerprint import heads_fingerprint, weights_fingerprint
     from runtime.heads import load_heads
-    from runtime.tree import Tree, TreeBuffers
-    from pipeline.paths import Layout
 
-    from pipeline.loaders import acceptance_from_cfg
-
-    n_new = int(cfg.evaluate.max_new_tokens)
-    acceptance = acceptance_from_cfg(cfg)  # every speculative method decodes with it
     rows = split_rows(cfg, "eval", int(cfg.profile.eval_prompts))
     model, hydra = load_runtime(cfg)
-    from runtime.fingerprint import heads_fingerprint, weights_fingerprint
-
     bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_stage.output(cfg)),
                              heads_fingerprint=heads_fingerprint(heads_stage.output(cfg)), max_depth=hydra.config.num_heads)
-    mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
-
-    methods: dict[str, Decode] = {"AR": _ar_method(model)}
-    if model.invariant_rows is not None:
-        methods["AR (ordinary arithmetic)"] = _ordinary_ar_method(model)
-    if cfg.evaluate.hf_generate:
-        methods["HF generate"] = _hf_method(model_stage.output(cfg), model.device, model.dtype)
+    sampler = sampler_from_cfg(cfg)
+    hf = None
+    if cfg.evaluate.hf_generate and sampler.greedy:
+        hf = _hf_method(model_stage.output(cfg), model.device, model.dtype)
+    elif cfg.evaluate.hf_generate:
+        log.info("[evaluate] transformers generate left out at temperature > 0: its sampler cannot match seeded AR")
+    medusa = None
     try:
         # bound to the base model loaded above: one copy of its weights serves every method
         medusa = load_heads(Layout.from_cfg(cfg).heads_dir("medusa"), model=model)
-        methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc], acceptance=acceptance), 0)
     except FileNotFoundError as e:
         log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
+    df, recs = compare_methods(model, hydra, bank, rows, int(cfg.evaluate.max_new_tokens), int(cfg.profile.rank_cap),
+                               sampler, medusa=medusa, hf=hf, acceptance=acceptance_from_cfg(cfg),
+                               desc=f"evaluate {cfg.task.name}")
+    if sampler.greedy:
+        divergences = list_divergences(model, rows, recs, str(model.dtype).removeprefix("torch."))
+        atomic_write_json(out / "divergences.json", {"lossless": str(cfg.lossless), "dtype": str(model.dtype),
+                                                      "invariant_rows": model.invariant_rows, "divergences": divergences})
+        for d in divergences:
+            log.info("%s", f"[evaluate] divergence from AR: {d}")
+    df["task"] = cfg.task.name
+    rows_out = df[df.method != "oracle (replayed)"].drop(columns=["task", "speedup_vs_ar", "vs_hydra_default"]).to_dict("records")
+    table = table_markdown(df, cfg, resolve_dtype(cfg))
+    atomic_write_bytes(out / "table.csv", df.to_csv(index=False).encode())
+    atomic_write_bytes(out / "table.md", table.encode())
+    atomic_write_json(out / "traces.json", {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in recs.items()})
+    plot_methods(df, out / "methods.png", cfg.task.name)
+    dyn = [label for label in POLICY_LABELS.values() if label in recs]
+    if dyn:
+        plot_schedule(recs[dyn[0]][0], bank, out / "schedule.png", dyn[0])
+    log.info("%s", table)
+    oracle_dec = df.loc[df.method == "oracle (replayed)", "decode_tok_per_s"].item()
+    return {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}
+
+
+POLICY_LABELS = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
+
+
+def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: int, sampler=None, medusa=None,
+                    hf: Decode | None = None, acceptance="exact", desc: str = "evaluate") -> tuple[pd.DataFrame, dict[str, list[dict]]]:
+    """Decode every prompt of `rows` ({"id", "input_ids"}) with every method, interleaved, and
+    tabulate (one row per method, then the replayed oracle); also return each method's records.
+
+    `sampler` (default greedy) is the one every exact method and AR decode with; at temperature
+    > 0 typical acceptance rows and the distance columns of pipeline/evaluate_sampling.py are added.
+    `acceptance` is the rule of every speculative row ("exact", or the run's typical acceptance).
+    On a row-invariant model (`lossless: exact`) AR is also timed in the ordinary arithmetic, the
+    speed that invariance is paid against."""
+    from pipeline.evaluate_sampling import distribution_columns, typical_decoders
+    from pipeline.replay import accept_lengths, oracle_schedule
+    from pipeline.rollout import rollout_prompt
+    from runtime.decoder import TreeDecoder
+    from runtime.policy import Scheduler, policy_from_dict
+    from runtime.sampling import Sampler
+    from runtime.tree import Tree, TreeBuffers
+
+    sampler = sampler if sampler is not None else Sampler()
+    mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
+    methods: dict[str, Decode] = {"AR": _ar_method(model, sampler)}
+    if model.invariant_rows is not None:
+        methods["AR (ordinary arithmetic)"] = _ordinary_ar_method(model, sampler)
+    if hf is not None:
+        methods["HF generate"] = hf
+    if medusa is not None:
+        methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc], acceptance=acceptance), 0, sampler)
     hydra_mc = TreeDecoder(model, hydra, [mc], acceptance=acceptance)
-    methods["Hydra default"] = _spec_method(hydra_mc, 0)
+    methods["Hydra default"] = _spec_method(hydra_mc, 0, sampler)
     bank_dec = TreeDecoder(model, hydra, bank.buffers, acceptance=acceptance)
-    methods["EntMTP*"] = _spec_method(bank_dec, bank.best_static)
-    labels = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
-    for name, label in labels.items():
+    methods["EntMTP*"] = _spec_method(bank_dec, bank.best_static, sampler)
+    for name, label in POLICY_LABELS.items():
         if name in bank.policies:
             pol = bank.policies[name]
-            methods[label] = _spec_method(bank_dec, lambda pol=pol: Scheduler(policy_from_dict(pol), len(bank.trees)))
+            methods[label] = _spec_method(bank_dec, lambda pol=pol: Scheduler(policy_from_dict(pol), len(bank.trees)), sampler)
+    if not sampler.greedy:
+        for label, dec in typical_decoders(model, hydra, mc, bank.buffers[bank.best_static], sampler.config).items():
+            methods[label] = _spec_method(dec, 0)  # typical acceptance draws with its own temperature
 
     names = list(methods)
     recs: dict[str, list[dict]] = {m: [] for m in names}
     # warm-up: one short run of every method (allocator, kernels)
     for m in names:
         methods[m](rows[0]["input_ids"], 8)
-    for row in tqdm(rows, desc=f"evaluate {cfg.task.name}", unit="prompt"):
+    for row in tqdm(rows, desc=desc, unit="prompt"):
         for m in names:
             r = methods[m](row["input_ids"], n_new)
             r["id"] = row["id"]
@@ -227,20 +277,14 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     oracle_time, oracle_tokens, oracle_steps = 0.0, 0, 0
     ar_tokens = {r["id"]: r["tokens"] for r in recs["AR"]}
     for row in rows:
-        ro = rollout_prompt(model, hydra, row["input_ids"], n_new, int(cfg.profile.rank_cap))
-        acc = np.stack([accept_lengths(ro["rank_paths"], t.paths, rank_cap=int(cfg.profile.rank_cap)) for t in bank.trees])
+        ro = rollout_prompt(model, hydra, row["input_ids"], n_new, rank_cap, sampler=sampler)
+        acc = np.stack([accept_lengths(ro["rank_paths"], t.paths, rank_cap=rank_cap) for t in bank.trees])
         t_min, sched = oracle_schedule(acc, np.asarray(costs))
         oracle_time += t_min
         oracle_tokens += len(ro["tokens"]) - 1
         oracle_steps += len(sched)
         if ro["tokens"].tolist() != ar_tokens[row["id"]]:
             log.info("%s", f"[evaluate] note: rollout and AR differ on {row['id']} (float tie)")
-
-    divergences = list_divergences(model, rows, recs, str(model.dtype).removeprefix("torch."))
-    atomic_write_json(out / "divergences.json", {"lossless": str(cfg.lossless), "dtype": str(model.dtype),
-                                                  "invariant_rows": model.invariant_rows, "divergences": divergences})
-    for d in divergences:
-        log.info("%s", f"[evaluate] divergence from AR: {d}")
 
     ar = recs["AR"]
     rows_out = []
@@ -257,6 +301,9 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
             "tokens_per_step": dec_toks / max(sum(r["steps"] for r in rs), 1),
             "identical_to_ar": identical / len(rs), "ppl": math.exp(nll), "prompts": len(rs), "new_tokens": toks,
         })
+        if not sampler.greedy:
+            rows_out[-1].update(distribution_columns(model, [row["input_ids"] for row in rows], [r["tokens"] for r in rs],
+                                                     sampler.config))
     df = pd.DataFrame(rows_out)
     ar_speed = df.loc[df.method == "AR", "tok_per_s"].item()
     hyd = df.loc[df.method == "Hydra default", "tok_per_s"].item()
@@ -272,27 +319,24 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
     oracle_row = {"method": "oracle (replayed)", "decode_tok_per_s": oracle_dec,
                   "tokens_per_step": oracle_tokens / max(oracle_steps, 1), "speedup_vs_ar": oracle_dec / ar_ref}
     df = pd.concat([df, pd.DataFrame([oracle_row])], ignore_index=True)
-    df["task"] = cfg.task.name
-    atomic_write_bytes(out / "table.csv", df.to_csv(index=False).encode())
-    atomic_write_bytes(out / "table.md", table_markdown(df, cfg, resolve_dtype(cfg)).encode())
-    atomic_write_json(out / "traces.json", {m: [{k: v for k, v in r.items() if k != "tokens"} for r in recs[m]] for m in names})
-    plot_methods(df, out / "methods.png", cfg.task.name)
-    dyn = [label for label in labels.values() if label in names]
-    if dyn:
-        plot_schedule(recs[dyn[0]][0], bank, out / "schedule.png", dyn[0])
-    log.info("%s", table_markdown(df, cfg, resolve_dtype(cfg)))
-    return {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}
+    return df, recs
 
 
 def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
     m = machine_info()
     acc = cfg.get("acceptance")
-    how = ("greedy" if acc is None or acc.kind == "exact" else
-           f"typical acceptance (T {acc.temperature:g}, epsilon {acc.epsilon:g}, alpha {acc.alpha:g}; not lossless)")
+    how = decoding_words(cfg) if acc is None or acc.kind == "exact" else (
+        f"typical acceptance (T {acc.temperature:g}, epsilon {acc.epsilon:g}, alpha {acc.alpha:g}; not lossless)")
     head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, {how}, batch 1, {dtype}, "
             f"{m['cpu']} ({m['torch_threads']} threads), {int(cfg.profile.eval_prompts)} eval prompts x "
             f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n")
     cols = ["method", "tok_per_s", "decode_tok_per_s", "tokens_per_step", "speedup_vs_ar", "vs_hydra_default", "identical_to_ar", "ppl"]
+    if "nll_gap" in df.columns:
+        cols += ["nll_T", "entropy_T", "nll_gap", "nll_gap_se"]
+        head += ("identical_to_ar: share of outputs token-identical to seeded AR. nll_T / entropy_T: mean surprisal "
+                 "-log p(y) and entropy of the model's tempered (processed) distribution p at each emitted token, "
+                 "nats; nll_gap = nll_T - entropy_T, 0 in expectation for an exact sampler (nll_gap_se: its "
+                 "standard error), negative when a method prefers probable tokens.\n\n")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df.iterrows():
         cells = []
@@ -301,6 +345,14 @@ def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
             cells.append(str(v) if isinstance(v, str) else ("" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"))
         lines.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
+
+
+def decoding_words(cfg: DictConfig) -> str:
+    """'greedy', or the seeded sampling settings of the run."""
+    sc = cfg.get("sampling")
+    if sc is None or float(sc.temperature) == 0:
+        return "greedy"
+    return f"seeded sampling (T {float(sc.temperature):g}, top-k {int(sc.top_k)}, top-p {float(sc.top_p):g}, seed {int(sc.seed)})"
 
 
 def plot_methods(df: pd.DataFrame, path: Path, task: str) -> None:

@@ -144,3 +144,9 @@ class Layout:
     @property
     def reports(self) -> Path:
         return self.heads_reports / self.bank_run
+
+    @property
+    def temperature_reports(self) -> Path:
+        """One task's figures across sampling temperatures (the acceptance frontiers at T = 0, 0.7,
+        1.0): beside the task's greedy reports, whatever this layout's own temperature."""
+        return self.heads_reports / self.task / "temperatures"
