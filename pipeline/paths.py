@@ -105,6 +105,11 @@ class Layout:
         return self.artifacts / "reports" / self.model_name
 
     @property
+    def heads_training_reports(self) -> Path:
+        """What was tried in training the draft heads and its measured effect (all kinds)."""
+        return self.model_reports / "heads"
+
+    @property
     def dtype_choice(self) -> Path:
         """The measured fp32-vs-bf16 choice of `dtype: auto` on this machine."""
         return self.model_reports / "dtype_choice.json"
