@@ -1,7 +1,7 @@
 """Training changes for the draft heads, each against the baseline recipe at one reduced scale.
 
     python -m pipeline.benchmarks.heads_ablation [--kind hydra] [--train-prompts 96]
-        [--holdout-per-task 10] [--variants baseline sampled rank ttt] [--seeds 0 1]
+        [--holdout-per-task 10] [--new-tokens 128] [--variants baseline sampled rank ttt] [--seeds 0 1]
 
 Every variant trains heads of `conf/heads/<kind>.yaml` on the same self-distilled continuations of
 the same training prompts (the default mix, fewer prompts), with the same epochs and seed, and is
@@ -11,9 +11,12 @@ what a bank sees: replayed tokens/step of fixed trees (a 4-chain, the 9-node dep
 banks keep, mc_sim_7b_63) along those continuations, per task, plus each head's top-1.
 
 A variant is a set of `heads.train` overrides (`VARIANTS`); `--set key=value ...` adds one more,
-named `custom`. Self-distillation data and finished runs are cached under
+named `custom`. `--shipped` also measures every heads folder shipped for the model on the same
+held-out text (coverage of the draft vocabulary per task, and tokens/step of each reduced-vocabulary
+variant against its full-vocabulary heads on the same trees). Self-distillation data and finished runs are cached under
 artifacts/cache/heads/<model>/ablation/, so a rerun only trains what is new. Writes
-artifacts/reports/<model>/heads/ablation.{csv,json} (rows of every run, the machine, settings).
+artifacts/reports/<model>/heads/ablation-<kind>{.csv,-summary.csv,.json} (every run, the mean per
+variant and its change against the baseline, the machine, settings) and shipped_heads_holdout.csv.
 """
 
 from __future__ import annotations
@@ -104,6 +107,36 @@ def run_variant(name: str, overrides: dict[str, Any], seed: int, base: TrainSett
     return row
 
 
+@torch.inference_mode()
+def shipped_rows(model: Any, heads_root: Path, holdout: dict[str, list[dict]]) -> list[dict[str, Any]]:
+    """Every heads folder under `heads_root` on the held-out text: coverage of the continuation
+    tokens by the draft vocabulary (1.0 without one) and replayed tokens/step per task; a
+    `<kind>-draft<V>` folder is also compared with its full-vocabulary `<kind>` on the same trees."""
+    from runtime.heads import load_heads
+
+    rows: dict[str, dict[str, Any]] = {}
+    for folder in sorted(p for p in heads_root.iterdir() if (p / "config.json").is_file()):
+        heads = load_heads(folder, model)
+        row: dict[str, Any] = {"heads": folder.name, "draft_vocab": heads.config.draft_vocab_size}
+        inside = torch.ones(heads.config.vocab_size, dtype=torch.bool)
+        if heads.draft_ids is not None:
+            inside = torch.zeros_like(inside)
+            inside[heads.draft_ids] = True
+        pooled = [q for v in holdout.values() for q in v]
+        for task, seqs in [("all", pooled), *holdout.items()]:
+            tokens = torch.cat([q["tokens"] for q in seqs])
+            row[f"{task}/coverage"] = round(float(inside[tokens].float().mean()), 4)
+            for tree, tps in evaluate_heads(heads, seqs, trees=REPLAY_TREES)["tokens_per_step"].items():
+                row[f"{task}/{tree}"] = tps
+        rows[folder.name] = row
+    for name, row in rows.items():
+        full = rows.get(name.split("-draft")[0]) if "-draft" in name else None
+        if full is not None:
+            for col in [c for c in row if "/" in c and not c.endswith("coverage")]:
+                row[f"{col} vs full %"] = round(100 * (row[col] / full[col] - 1), 2)
+    return list(rows.values())
+
+
 def summarise(rows: list[dict[str, Any]], metric: str = "all/tree9") -> list[dict[str, Any]]:
     """Per variant: the mean of `metric`-like columns over seeds and the change against the baseline."""
     cols = [c for c in rows[0] if "/" in c]
@@ -127,10 +160,12 @@ def main() -> None:
     ap.add_argument("--kind", default="hydra", help="a file of conf/heads/")
     ap.add_argument("--train-prompts", type=int, default=96)
     ap.add_argument("--holdout-per-task", type=int, default=10)
+    ap.add_argument("--new-tokens", type=int, default=128, help="length of every self-distilled continuation")
     ap.add_argument("--epochs", type=float, default=4.0)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--set", nargs="*", default=[], help="key=value heads.train overrides of a `custom` variant")
+    ap.add_argument("--shipped", action="store_true", help="also measure every shipped heads folder on the held-out text")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
     ap.add_argument("--data", default=str(ROOT / "data"))
@@ -147,7 +182,8 @@ def main() -> None:
     lay = Layout.for_model(args.artifacts, default_model_name(), args.data)
     model_dir, data_dir = lay.model_dir, Path(args.data)
     heads_cfg = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "heads" / f"{args.kind}.yaml"))
-    base = TrainSettings(max_prompts=args.train_prompts + 1, holdout_prompts=1, epochs=args.epochs)
+    base = TrainSettings(max_prompts=args.train_prompts + 1, holdout_prompts=1, epochs=args.epochs,
+                         max_new_tokens=args.new_tokens)
     train_rows, _ = select_prompts(read_train_rows(data_dir, model_dir, base), base)
     hold_rows = holdout_rows(data_dir, list(TRAIN_TASKS), args.holdout_per_task, base.max_prompt_tokens)
     fingerprint = model_fingerprint(model_dir)
@@ -164,6 +200,12 @@ def main() -> None:
     threads = torch.get_num_threads()
     model = load_model(model_dir, dtype=torch.float32, max_seq_len=min(margs.max_position_embeddings, 2048))
     torch.set_num_threads(threads)
+    out = lay.heads_training_reports
+    if args.shipped:
+        shipped = shipped_rows(model, lay.heads_root, holdout)
+        write_csv(out / "shipped_heads_holdout.csv", shipped)
+        for r in shipped:
+            log.info("%s", r)
     rows = []
     for seed in args.seeds:  # seeds outside: a first full pass over the variants comes early
         for name, overrides in variants.items():
@@ -171,12 +213,11 @@ def main() -> None:
                               holdout, cache)
             log.info("%s seed %d: %s", name, seed, {k: v for k, v in row.items() if k.startswith("all/")})
             rows.append(row)
-    out = lay.heads_training_reports
     write_csv(out / f"ablation-{args.kind}.csv", rows)
     summary = summarise(rows)
     write_csv(out / f"ablation-{args.kind}-summary.csv", summary)
     atomic_write_json(out / f"ablation-{args.kind}.json", {
-        "kind": args.kind, "train_prompts": len(train_rows), "epochs": args.epochs,
+        "kind": args.kind, "train_prompts": len(train_rows), "new_tokens": args.new_tokens, "epochs": args.epochs,
         "holdout": {t: {"sequences": len(v), "positions": int(sum(len(q["tokens"]) for q in v))} for t, v in holdout.items()},
         "variants": variants, "seeds": args.seeds, "rows": rows, "summary": summary, "machine": machine_info(),
         "threads": torch.get_num_threads()})

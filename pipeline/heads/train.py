@@ -116,8 +116,7 @@ def _chain_drafts(heads: DraftHeads, h: torch.Tensor, tokens: torch.Tensor, cand
     heads.eval()
     out = tokens.clone()
     for d in range(1, heads.config.num_heads):
-        x = torch.cat([h.to(heads.dtype), heads.embed(out[:, :d]).flatten(1)], dim=-1)
-        state = heads._blocks(d, x)[:, None, :]
+        state = heads.head_states(h, out, heads=d)[:, -1:]                 # head d given columns < d
         if cand is None:
             best = heads.output_logits(state, first_head=d)[:, 0].argmax(-1)
         else:
