@@ -81,7 +81,12 @@ class Layout:
         return self.artifacts / "models" / self.model_name
 
     def heads_dir(self, heads_name: str | None = None) -> Path:
-        return self.artifacts / "heads" / self.model_name / (heads_name or self.heads_name)
+        return self.heads_root / (heads_name or self.heads_name)
+
+    @property
+    def heads_root(self) -> Path:
+        """The heads folders of this model, one per heads name."""
+        return self.artifacts / "heads" / self.model_name
 
     @property
     def heads_cache(self) -> Path:
@@ -126,6 +131,11 @@ class Layout:
     @property
     def model_reports(self) -> Path:
         return self.artifacts / "reports" / self.model_name
+
+    @property
+    def heads_training_reports(self) -> Path:
+        """What was tried in training the draft heads and its measured effect (all kinds)."""
+        return self.model_reports / "heads"
 
     @property
     def dtype_choice(self) -> Path:

@@ -86,6 +86,19 @@ class TrainSettings:
     # training arithmetic: float32, or autocast to bfloat16 / float16 (parameters and optimiser
     # state stay float32). Training runs on the config's `device`.
     dtype: str = choice("float32", *WEIGHT_DTYPES)
+    # --- training changes under trial (issue #13): off by default; measured effects are in the
+    # heads ablation report (`python -m pipeline.benchmarks.heads_ablation`)
+    # more varied data: per training prompt, this many extra continuations sampled at
+    # `sample_temperature` (seeded, position-keyed Gumbel-max as runtime/sampling.py) besides the greedy one
+    sampled_continuations: int = at_least(0, 0)
+    sample_temperature: float = 0.8
+    # HASS-style ranking term: weight of a listwise cross-entropy restricted to the teacher's
+    # top-`rank_loss_topk` ids (the order among the likeliest tokens is what a tree's ranks use)
+    rank_loss_weight: float = at_least(0.0, 0.0)
+    rank_loss_topk: int = at_least(8, 2)
+    # training-time test (EAGLE-3): weight of a second pass in which Hydra heads 2..D read the
+    # heads' own top-1 drafts as the path tokens after the root instead of the true ones
+    ttt_weight: float = at_least(0.0, 0.0)
 
     def __post_init__(self) -> None:
         problems = field_problems(self, "heads.train") + self.cross_field_problems()
@@ -100,6 +113,8 @@ class TrainSettings:
             out.append(f"heads.train.epochs must be > 0 (or set max_steps), got {self.epochs}")
         if not self.lr > 0 or not 0 <= self.warmup_frac < 1:
             out.append(f"heads.train needs lr > 0 and warmup_frac in [0, 1); got lr={self.lr}, warmup_frac={self.warmup_frac}")
+        if self.sampled_continuations and not self.sample_temperature > 0:
+            out.append(f"heads.train.sample_temperature must be > 0 for sampled continuations, got {self.sample_temperature}")
         return out
 
     @classmethod
@@ -115,6 +130,21 @@ class TrainSettings:
         """The settings the self-distillation data depends on (its cache key)."""
         keys = ("tasks", "max_prompts", "holdout_prompts", "max_prompt_tokens", "max_new_tokens", "teacher_topk", "seed")
         return {k: getattr(self, k) for k in keys}
+
+    def key_dict(self) -> Dict[str, Any]:
+        """The settings as a key records them: fields added after the shipped heads were trained
+        appear only when they differ from their defaults, so the default key stays the one the
+        shipped heads' manifests hold (they are not retrained for nothing)."""
+        out = dataclasses.asdict(self)
+        for name, default in _ADDED_TRAIN_FIELDS.items():
+            if out.get(name) == default:
+                out.pop(name)
+        return out
+
+
+# TrainSettings fields newer than the shipped heads, with the defaults a key leaves out
+_ADDED_TRAIN_FIELDS = {"sampled_continuations": 0, "sample_temperature": 0.8, "rank_loss_weight": 0.0,
+                       "rank_loss_topk": 8, "ttt_weight": 0.0}
 
 
 @dataclass

@@ -63,7 +63,7 @@ def _mix_inputs(data_dir: Path, model_dir: Path, s: TrainSettings) -> dict[str, 
     style = load_task_config(s.functions_template) if s.functions_from else None
     # the tokenizer renders the function prompts only; other rows hold their ids already
     tokenizer = tokenizer_fingerprint(model_dir) if s.functions_from else None
-    return {"settings": dataclasses.asdict(s), "splits": splits, "tokenizer": tokenizer,
+    return {"settings": s.key_dict(), "splits": splits, "tokenizer": tokenizer,
             "functions_style": None if style is None else [style.get("template"), style.get("system")]}
 
 
@@ -89,7 +89,7 @@ def train_key(s: TrainSettings) -> dict[str, Any]:
     """The training settings as the heads key records them. Whole epochs are written as integers,
     as the YAML spells them: the typed schema reads them as floats, and 4.0 would hash differently
     from the 4 in the shipped heads' manifests (they would be retrained for nothing)."""
-    out = dataclasses.asdict(s)
+    out = s.key_dict()
     if isinstance(out.get("epochs"), float) and out["epochs"].is_integer():
         out["epochs"] = int(out["epochs"])
     if out.get("dtype") == "float32":  # the default arithmetic, as before the setting existed
@@ -125,6 +125,10 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
         threads = torch.get_num_threads()  # load_model may reset it; keep the caller's choice
         sd_dir = lay.heads_cache / f"selfdistill-{hash_obj([s.data_dict(), data_hash, fingerprint])}"
         train_seqs = build_selfdistill(model_dir, train_rows, s, sd_dir / "train", device=device)
+        for k in range(s.sampled_continuations):  # extra, more varied continuations of the same prompts
+            train_seqs += build_selfdistill(model_dir, train_rows, s, sd_dir / f"train-T{s.sample_temperature:g}-s{k}",
+                                            device=device, temperature=s.sample_temperature,
+                                            sample_seed=s.seed * 1000 + k)
         hold_seqs = build_selfdistill(model_dir, hold_rows, s, sd_dir / "holdout", device=device)
         t_data, c_data = time.time() - t0, time.process_time() - c0
         model = load_model(model_dir, dtype=torch.float32, max_seq_len=min(args.max_position_embeddings, 2048),

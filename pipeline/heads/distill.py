@@ -17,16 +17,19 @@ import torch
 from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
-from pipeline.artifacts import atomic_write_bytes
+from pipeline.artifacts import atomic_write_bytes, hash_obj
 from pipeline.schema import TrainSettings
+from runtime.sampling import gumbel_noise
 
 log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], topk: int
-                   ) -> list[dict[str, torch.Tensor]]:
-    """Greedy continuations of a left-padded batch with a transformers Llama model.
+def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], topk: int,
+                   temperature: float = 0.0, seeds: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Greedy continuations (or, at `temperature` > 0, samples keyed on (seeds[b], output position)
+    as in runtime/sampling.py) of a left-padded batch with a transformers Llama model. The
+    recorded teacher is the base distribution at every step either way.
 
     Per sequence: tokens y [T] (EOS included), hidden [P+T-1, dim] float16 (final-normed states of
     the prompt and y_1..y_{T-1}: the positions whose next token is known), and the base
@@ -41,6 +44,7 @@ def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eo
         ids[b, P - len(p):] = torch.tensor(p, device=dev)
         mask[b, P - len(p):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    row_seeds = torch.tensor(seeds or [0] * B, dtype=torch.long)  # each below 2**63
     # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns until 5.40)
     cache_kw = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
     cache = {cache_kw: DynamicCache(config=model.config)}
@@ -55,7 +59,11 @@ def generate_batch(model: Any, prompts: list[list[int]], max_new_tokens: int, eo
     for step in range(max_new_tokens):
         probs = torch.softmax(model.lm_head(last).float(), dim=-1)
         top = probs.topk(topk, dim=-1)
-        nxt = probs.argmax(-1)
+        if temperature > 0:  # Gumbel-max: an exact, seeded draw from softmax(logits / T)
+            logits = torch.log(probs.clamp_min(1e-30)) / temperature
+            nxt = (logits.double() + gumbel_noise(row_seeds, torch.full((B,), step), probs.shape[-1]).to(dev)).argmax(-1)
+        else:
+            nxt = probs.argmax(-1)
         for b in range(B):
             if not done[b]:
                 ys[b].append(int(nxt[b]))
@@ -100,10 +108,11 @@ def _unflatten(flat: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return seqs
 
 
-def build_selfdistill(model_dir: Path, rows: list[dict], s: TrainSettings, out_dir: Path, device: str = "cpu"
-                      ) -> list[dict[str, torch.Tensor]]:
+def build_selfdistill(model_dir: Path, rows: list[dict], s: TrainSettings, out_dir: Path, device: str = "cpu",
+                      temperature: float = 0.0, sample_seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Generate (or resume / reuse) the self-distillation data of `rows` with the base model on
-    `device` (float32); one shard per batch, host tensors."""
+    `device` (float32); one shard per batch, host tensors. `temperature` > 0 samples the
+    continuations instead, row r keyed on (sample_seed, r's id)."""
     from transformers import LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -123,7 +132,9 @@ def build_selfdistill(model_dir: Path, rows: list[dict], s: TrainSettings, out_d
                 model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
                 cfg_eos = model.config.eos_token_id
                 eos = set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos]) - {None}
-            seqs = generate_batch(model, [rows[i]["input_ids"] for i in batch], s.max_new_tokens, eos, s.teacher_topk)
+            seeds = [int(hash_obj([sample_seed, rows[i]["id"]])[:15], 16) for i in batch]
+            seqs = generate_batch(model, [rows[i]["input_ids"] for i in batch], s.max_new_tokens, eos, s.teacher_topk,
+                                  temperature, seeds)
             atomic_write_bytes(shard, save(_flatten(seqs), metadata={"rows": json.dumps([rows[i]["id"] for i in batch])}))
         for i, seq in zip(batch, seqs):
             by_row[i] = seq

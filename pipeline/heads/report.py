@@ -12,9 +12,11 @@ import torch
 from runtime.heads import DraftHeads
 
 
-def evaluate_heads(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], rank_cap: int = 10) -> dict[str, Any]:
+def evaluate_heads(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], rank_cap: int = 10,
+                   trees: dict[str, Any] | None = None) -> dict[str, Any]:
     """Top-1 / top-5 accuracy of each head against the base greedy token, and replayed tokens per
-    step of a few trees, on held-out continuations (rank paths as in `pipeline.replay`)."""
+    step of a few trees (`trees`, name -> Tree; default: the chains and mc_sim_7b_63), on
+    held-out continuations (rank paths as in `pipeline.replay`)."""
     from pipeline.replay import replay_tokens_per_step
     from runtime.tree import Tree
 
@@ -49,10 +51,10 @@ def evaluate_heads(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], rank_
         "top5": [round(float(x), 4) for x in hits5 / np.maximum(counts, 1)],
     }
     if rollouts:
-        trees = {f"chain{d}": Tree.chain(d) for d in range(1, D + 1)}
-        mc = Tree.named("mc_sim_7b_63")
-        if mc.depth <= D:
-            trees["mc_sim_7b_63"] = mc
+        if trees is None:
+            trees = {f"chain{d}": Tree.chain(d) for d in range(1, D + 1)}
+            trees["mc_sim_7b_63"] = Tree.named("mc_sim_7b_63")
+        trees = {name: t for name, t in trees.items() if t.depth <= D}
         report["tokens_per_step"] = {name: round(float(replay_tokens_per_step(rollouts, t, rank_cap)), 4)
                                      for name, t in trees.items()}
     return report

@@ -59,13 +59,20 @@ def sequence_batch(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]]) -> di
 
 
 def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], negatives: int | None = None,
-                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean over heads of each head's mean cross-entropy against the teacher, per-head losses [D]
-    detached). `negatives=None`: softmax over the whole output vocabulary; an int n: over the
-    batch's candidates only (every teacher top-k id plus n uniform draws from `generator`, on the
-    heads' device; None: the default generator of that device)."""
+                 generator: torch.Generator | None = None, rank_weight: float = 0.0, rank_topk: int = 8,
+                 ttt_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the training loss, per-head distillation losses [D] detached).
+
+    The loss is the mean over heads of each head's mean cross-entropy against the teacher.
+    `negatives=None`: softmax over the whole output vocabulary; an int n: over the batch's
+    candidates only (every teacher top-k id plus n uniform draws from `generator`, on the heads'
+    device; None: the default generator of that device).
+    `rank_weight` adds a listwise term (HASS): the cross-entropy of the teacher's top-`rank_topk`
+    renormalised against the heads' softmax over those same ids, which scores their order only.
+    `ttt_weight` adds a training-time-test pass (EAGLE-3; Hydra only): heads 2..D read the heads'
+    own top-1 chain drafts (drawn from the same candidates, no gradient) as path tokens after the
+    root, against the same targets."""
     dev = heads_device(heads)
-    states = heads.head_states(batch["h"], batch["tokens"])                 # [M, D, dim]
     ids, p = batch["ids"], batch["p"]
     v_out = heads.config.draft_vocab_size or heads.config.vocab_size
     if heads.draft_ids is not None:  # targets outside the draft vocabulary carry no learnable mass
@@ -75,19 +82,60 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], negatives: i
         p = torch.where(ids >= 0, p, 0.0)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
         ids = ids.clamp(min=0)
-    if negatives is None:
-        logits = heads.output_logits(states).float()                        # [M, D, V_out]
-    else:
+    cand = None
+    if negatives is not None:
         draws = torch.randint(0, v_out, (negatives,), device=dev, generator=generator)
         cand = torch.unique(torch.cat([ids.flatten(), draws]))
         slot = torch.full((v_out,), -1, dtype=torch.long, device=dev)
         slot[cand] = torch.arange(len(cand), device=dev)
-        logits = heads.candidate_logits(states, cand).float()               # [M, D, C]
         ids = slot[ids]
-    ce = torch.logsumexp(logits, dim=-1) - (p * logits.gather(-1, ids)).sum(-1)   # [M, D]
+
+    def logits_of(states: torch.Tensor) -> torch.Tensor:
+        if cand is None:
+            return heads.output_logits(states).float()                      # [M, D, V_out]
+        return heads.candidate_logits(states, cand).float()                 # [M, D, C]
+
     valid = batch["valid"].float()
-    per_head = (ce * valid).sum(0) / valid.sum(0).clamp_min(1.0)
-    return per_head.mean(), per_head.detach()
+
+    def head_mean(x: torch.Tensor) -> torch.Tensor:                        # [M, D] -> [D]
+        return (x * valid).sum(0) / valid.sum(0).clamp_min(1.0)
+
+    def losses_of(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss with every term, each head's distillation cross-entropy [D])."""
+        ce = head_mean(torch.logsumexp(logits, dim=-1) - (p * logits.gather(-1, ids)).sum(-1))
+        loss = ce.mean()
+        if rank_weight:
+            k = min(rank_topk, ids.shape[-1])
+            top = logits.gather(-1, ids[..., :k])
+            pk = p[..., :k] / p[..., :k].sum(-1, keepdim=True).clamp_min(1e-9)
+            loss = loss + rank_weight * head_mean(torch.logsumexp(top, dim=-1) - (pk * top).sum(-1)).mean()
+        return loss, ce
+
+    loss, per_head = losses_of(logits_of(heads.head_states(batch["h"], batch["tokens"])))
+    if ttt_weight and heads.config.kind == "hydra" and heads.config.num_heads > 1:
+        drafted = _chain_drafts(heads, batch["h"], batch["tokens"], cand)
+        loss = loss + ttt_weight * losses_of(logits_of(heads.head_states(batch["h"], drafted)))[0]
+    return loss, per_head.detach()
+
+
+@torch.no_grad()
+def _chain_drafts(heads: DraftHeads, h: torch.Tensor, tokens: torch.Tensor, cand: torch.Tensor | None) -> torch.Tensor:
+    """Path tokens [M, D] with the true root and then the heads' own top-1 chain: column d is head
+    d's argmax (over `cand`, or the whole output vocabulary) given the columns before it."""
+    was_training = heads.training
+    heads.eval()
+    out = tokens.clone()
+    for d in range(1, heads.config.num_heads):
+        state = heads.head_states(h, out, heads=d)[:, -1:]                 # head d given columns < d
+        if cand is None:
+            best = heads.output_logits(state, first_head=d)[:, 0].argmax(-1)
+        else:
+            # own output layers are per head: candidate_logits reads head j's from column j
+            states = state if heads.config.output == "shared" else state.expand(-1, d, -1)
+            best = cand[heads.candidate_logits(states, cand)[:, -1].argmax(-1)]
+        out[:, d] = best if heads.draft_ids is None else heads.draft_ids[best]
+    heads.train(was_training)
+    return out
 
 
 def lr_at(step: int, total: int, s: TrainSettings) -> float:
@@ -194,7 +242,8 @@ def train_loop(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], s: TrainS
             g["lr"] = lr_at(step, total, s)
         batch = sequence_batch(heads, [seqs[i] for i in schedule[step]])
         with autocast:
-            loss, per_head = distill_loss(heads, batch, s.negatives if s.loss == "sampled" else None, negatives_rng)
+            loss, per_head = distill_loss(heads, batch, s.negatives if s.loss == "sampled" else None, negatives_rng,
+                                          s.rank_loss_weight, s.rank_loss_topk, s.ttt_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if s.grad_clip:
