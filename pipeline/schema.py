@@ -228,8 +228,8 @@ class GrowConfig:
 class TimeConfig:
     # the step-cost model (pipeline/step_cost.py): interleaved rounds of its probes (medians over
     # them) and the new tokens of each probe decode that measures the fixed per-step cost
-    cost_repeats: int = at_least(9, 1)
-    cost_tokens: int = at_least(14, 4)
+    cost_repeats: int = at_least(7, 1)
+    cost_tokens: int = at_least(12, 4)
     # wall: seconds a user waits (on an idle machine); cpu: this thread's CPU seconds, not inflated by
     # other processes' load (needs threads=1): for building banks on a shared machine
     clock: str = choice("wall", "wall", "cpu")

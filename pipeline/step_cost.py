@@ -273,7 +273,7 @@ def _context_vector(model: Transformer, heads: DraftHeads, prompt: Sequence[int]
 @torch.inference_mode()
 def measure_step_cost(
     decoder: TreeDecoder, prompt: Sequence[int], verify_rows: Sequence[int], verify_contexts: Sequence[int],
-    repeats: int = 9, fixed_tokens: int = 14, sampler: Sampler | None = None, dtype: str = "",
+    repeats: int = 7, fixed_tokens: int = 12, sampler: Sampler | None = None, dtype: str = "",
     machine: dict[str, Any] | None = None, progress: Callable[[int, int], None] | None = None,
     clock_kind: str = "wall",
 ) -> StepCostModel:

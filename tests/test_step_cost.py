@@ -194,3 +194,45 @@ def test_bank_members_are_deterministic_and_follow_the_model() -> None:
     cands[-1]["step_ms"] = 31.0
     cands[-1]["tok_per_s"] = e2e_tokens_per_second(cands[-1]["tokens_per_step"], 0.031, 0.1, 96)
     assert len(cands) - 1 in bank_members(cands, rollouts, "hull")
+
+
+@pytest.mark.slow
+def test_time_stage_writes_modeled_components_and_the_check(bundle, tmp_path: Path) -> None:  # noqa: ANN001
+    """stage=time on the tiny bundle: every candidate has a modeled cost split into draft / verify /
+    fixed, every timed tree its measured figure and the model's error, and the saved model
+    predicts the recorded costs again."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import graph
+    from tests.helpers import MODEL_NAME, REPO
+
+    artifacts, data = tmp_path / "artifacts", tmp_path / "data"
+    shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "stage=time", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
+            f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
+            "threads=1", "time.clock=cpu", "time.cost_repeats=2", "time.cost_tokens=6", "profile.calib_prompts=3",
+            "profile.recalib_prompts=1", "profile.timing_prompts=1", "profile.max_new_tokens=6", "profile.eval_prompts=2",
+            "time.rounds=1", "time.new_tokens=6", "grow.candidate_sizes=[0,2,4,8]", f"artifacts_dir={artifacts}",
+            f"data_dir={data}"])
+    graph.clear_memo()
+    time_dir = graph.run(cfg)
+    timing = json.loads((time_dir / "timing.json").read_text())
+    model = StepCostModel.load(time_dir / "step_cost.json")
+    assert model.clock == "cpu" and timing["cost_model"]["clock"] == "cpu"
+    ref = timing["cost_model"]["reference_context"]
+    checked = 0
+    for t in timing["trees"]:
+        parts = t["cost_ms"]
+        assert set(parts) == {"draft", "verify", "fixed"}
+        assert t["step_ms"] == pytest.approx(sum(parts.values()))
+        assert t["step_ms"] == pytest.approx(model.predict(Tree(t["paths"]), ref)["step_ms"])
+        if "pruned" not in t:
+            checked += 1
+            assert t["measured_step_ms"] > 0
+            assert t["model_error_pct"] == pytest.approx(
+                100 * (t["modeled_step_ms_at_check"] - t["measured_step_ms"]) / t["measured_step_ms"])
+    assert checked >= 1
