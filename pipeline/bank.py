@@ -49,7 +49,8 @@ def build_bank(
 ) -> dict[str, Any]:
     from pipeline.fit_policy import fit_all_policies
 
-    cands = [c for c in timing["trees"] if c["tok_per_s"] is not None]  # pruned trees were never timed
+    # pruned trees cannot pay for their cost (and were not checked by a timed decode)
+    cands = [c for c in timing["trees"] if c.get("tok_per_s") is not None and "pruned" not in c]
     recal_by_paths = {Tree(r["paths"]): r for r in recal["trees"]}
     rollouts = load_rollout(rollout_dir)
     hull = throughput_hull([c["nodes"] for c in cands], [c["tok_per_s"] for c in cands])
@@ -64,6 +65,9 @@ def build_bank(
             "nodes": t.num_nodes, "depth": t.depth, "tokens_per_step": c["tokens_per_step"], "step_ms": c["step_ms"],
             "tok_per_s": c["tok_per_s"], "real_tokens_per_step": r.get("real_tokens_per_step"),
             "step_agreement": r.get("step_agreement"),
+            # the step-cost model's components (ms) and the timed decode that checked it
+            **{f"{part}_ms": ms for part, ms in c.get("cost_ms", {}).items()},
+            **{k: c[k] for k in ("measured_step_ms", "model_error_pct") if k in c},
         })
     best = max(range(len(trees)), key=lambda k: figures[k]["tok_per_s"])
     step_costs = [f["step_ms"] / 1000 for f in figures]
@@ -80,9 +84,9 @@ def build_bank(
                                                               "ar_tok_per_s": timing["ar_tok_per_s"]})
     bank.save(out)
     plot_acceptance_frontier(frontier, out / "acceptance_frontier.png", provenance.get("task", ""))
-    pruned = [c["nodes"] for c in timing["trees"] if c["tok_per_s"] is None]
+    pruned = [c["nodes"] for c in timing["trees"] if c.get("tok_per_s") is None or "pruned" in c]
     plot_throughput_frontier(cands, hull, chosen, pruned, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)
-    plot_step_latency(cands, timing["ar_token_ms"], out / "step_latency.png", provenance)
+    plot_step_latency(cands, timing["ar_token_ms"], out / "step_latency.png", provenance, set(chosen))
     return {"trees": len(trees), "best_static_nodes": trees[best].num_nodes, "best_static_depth": trees[best].depth,
             "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"]}
 
@@ -136,18 +140,34 @@ def plot_throughput_frontier(cands: list[dict], hull: list[int], members: list[i
     plt.close(fig)
 
 
-def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: dict) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for depth in sorted({c["depth"] for c in cands}):
-        sel = sorted((c for c in cands if c["depth"] == depth), key=lambda c: c["nodes"])
-        ax.plot([c["nodes"] for c in sel], [c["step_ms"] for c in sel], "o-", label=f"depth {depth}")
+def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: dict, members: set[int] = frozenset()) -> None:
+    """Per candidate tree (ordered by size), its modeled step cost stacked as draft / verify / fixed
+    where the time stage recorded the components, with the timed decodes' medians overlaid (they
+    ran at a slightly shorter context than the bank's reference, see timing.json). Trees in the
+    bank are marked with *."""
+    order = sorted(range(len(cands)), key=lambda k: (cands[k]["nodes"], cands[k]["depth"]))
+    xs = list(range(len(order)))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.55 * len(order) + 2), 4.5))
+    if all("cost_ms" in cands[k] for k in order):
+        bottom = [0.0] * len(order)
+        for part, color in (("verify", "tab:blue"), ("draft", "tab:orange"), ("fixed", "tab:gray")):
+            h = [cands[k]["cost_ms"][part] for k in order]
+            ax.bar(xs, h, bottom=bottom, color=color, alpha=0.8, label=f"{part} (modeled)")
+            bottom = [b + v for b, v in zip(bottom, h)]
+    else:
+        ax.bar(xs, [cands[k]["step_ms"] for k in order], color="tab:blue", alpha=0.8, label="step (timed)")
+    mx = [x for x, k in zip(xs, order) if cands[k].get("measured_step_ms") is not None]
+    if mx:
+        ax.scatter(mx, [cands[order[x]]["measured_step_ms"] for x in mx], color="k", zorder=5, s=22,
+                   label="timed decode (median step)")
     ax.axhline(ar_ms, color="gray", ls="--", label=f"AR token {ar_ms:.1f} ms")
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.set_xlabel("tree nodes (with root)")
-    ax.set_ylabel("step latency, ms (draft + verify + accept)")
-    ax.set_title(f"Step latency on this machine\n{_machine_line(provenance)}", fontsize=10)
-    ax.grid(alpha=0.3)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{cands[k]['nodes']}/d{cands[k]['depth']}{'*' if k in members else ''}" for k in order],
+                       rotation=45, ha="right", fontsize=8)
+    ax.set_xlabel("tree: nodes (with root) / depth; * in the bank")
+    ax.set_ylabel("step latency, ms")
+    ax.set_title(f"Step cost on this machine: {provenance.get('task', '')}\n{_machine_line(provenance)}", fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

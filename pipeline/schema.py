@@ -274,9 +274,18 @@ class GrowConfig:
 
 @dataclass
 class TimeConfig:
-    rounds: int = at_least(2, 1)       # interleaved timing rounds over the candidate trees
+    # the step-cost model (pipeline/step_cost.py): interleaved rounds of its probes (medians over
+    # them) and the new tokens of each probe decode that measures the fixed per-step cost
+    cost_repeats: int = at_least(7, 1)
+    cost_tokens: int = at_least(12, 4)
+    # wall: seconds a user waits (on an idle machine); cpu: this thread's CPU seconds, not inflated by
+    # other processes' load (needs threads=1): for building banks on a shared machine
+    clock: str = choice("wall", "wall", "cpu")
+    # timed decodes that check the model (the bank uses the modeled costs)
+    rounds: int = at_least(2, 1)       # interleaved timing rounds over the checked trees
     new_tokens: int = at_least(24, 1)  # tokens per timed decode (the first 2 steps of each are warm-up)
-    prune: bool = True                 # skip trees whose replayed tokens/step cannot pay for their cost
+    prune: bool = True                 # skip trees whose replayed tokens/step cannot pay for their modeled cost
+    prune_margin: float = at_least(0.15, 0.0, 0.99)  # ... even this fraction cheaper than modeled
 
 
 @dataclass

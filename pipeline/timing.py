@@ -1,14 +1,16 @@
-"""Time stage: step latency of each candidate tree on this machine, and the throughput hull.
+"""Time stage helpers: timed decodes of candidate trees, pruning by modeled cost, the throughput hull.
 
-Latency is measured by really decoding (draft + verify + accept), warmed up, with the trees
-interleaved round by round so that drift of a shared machine hits all of them alike. End-to-end
-throughput per tree combines that latency with the tree's tokens per step on the whole
-calibration split (exact replay) and the measured prefill time.
+The step cost the bank uses comes from `pipeline.step_cost` (a model measured from many short
+repeats); the timed decodes here (draft + verify + accept, warmed up, trees interleaved round by
+round so that drift of a shared machine hits all alike) check it. End-to-end throughput per tree
+combines a step cost with the tree's tokens per step on the whole calibration split (exact
+replay) and the measured prefill time.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,57 +24,48 @@ from runtime.sampling import Sampler
 
 def time_trees(
     decoder: TreeDecoder, rows: list[dict], rounds: int = 2, new_tokens: int = 24, warmup_steps: int = 2,
-    tokens_per_step: list[float] | None = None, cost_floor: float = 0.85, sampler: Sampler | None = None,
+    skip: dict[int, str] | None = None, sampler: Sampler | None = None, now: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """Median step latency (s) per tree, median AR per-token latency and prefill time.
+    """Median step latency (s) per tree from real decodes, median AR per-token latency and prefill time.
 
-    Trees must come ordered by size. With `tokens_per_step` (each tree's replayed figure) the first
-    round prunes: a tree is not timed when, even at `cost_floor` times the step latency of the
-    largest tree timed before it, its tokens per step could not beat the best tokens per second
-    measured so far. Verify and draft cost grow with the tree, so on a machine where wide trees
-    are expensive this skips the slowest decodes of the stage; where they are cheap (a GPU) the
-    bound never fires. Pruned trees get a NaN latency and are listed in "pruned"."""
+    Trees in `skip` (index -> why) are not decoded: they get a NaN latency and are listed in
+    "pruned". Rounds interleave the trees so that the drift of a shared machine hits all alike.
+    `now` is the clock (default: wall clock after a device synchronisation); a step lasts from one
+    emitted batch of tokens to the next, the prefill from the call to the first token."""
     n = len(decoder.trees)
-    if tokens_per_step is not None and len(tokens_per_step) != n:
-        raise ValueError(f"tokens_per_step has {len(tokens_per_step)} entries for {n} trees")
+    dev = decoder.model.device
+    now = now or (lambda: clock(dev))
+    pruned = dict(skip or {})
+    if any(not 0 <= k < n for k in pruned):
+        raise ValueError(f"skip lists tree indices outside [0, {n})")
+    if len(pruned) == n:
+        raise ValueError("every tree is skipped: nothing to time")
     step_s: list[list[float]] = [[] for _ in range(n)]
     ar_s: list[float] = []
     prefill_s: list[float] = []
     prompt_tokens: list[int] = []
-    pruned: dict[int, str] = {}
-    # warm-up: one short decode per tree and one AR run (allocator, kernels, caches)
-    decoder.generate(rows[0]["input_ids"], 8, choose=0, sampler=sampler)
+    # warm-up: one short decode and one AR run (allocator, kernels, caches)
+    decoder.generate(rows[0]["input_ids"], 8, choose=min(set(range(n)) - set(pruned)), sampler=sampler)
     ar_generate(decoder.model, rows[0]["input_ids"], 4, sampler=sampler)
-    bar = tqdm(total=rounds * len(rows) * (n + 1), desc="time", unit="run")
-    for rnd in range(rounds):
-        for i, row in enumerate(rows):
-            t0 = clock(decoder.model.device)
+    timed = [k for k in range(n) if k not in pruned]
+    bar = tqdm(total=rounds * len(rows) * (len(timed) + 1), desc="time", unit="run")
+    for _ in range(rounds):
+        for row in rows:
+            t0 = now()
             out = ar_generate(decoder.model, row["input_ids"], new_tokens // 2, sampler=sampler)
-            ar_total = clock(decoder.model.device) - t0
+            ar_total = now() - t0
             bar.update()
-            best_rate, last_cost = 0.0, 0.0
-            for k in range(n):
-                if k in pruned:
-                    bar.update()
-                    continue
-                if tokens_per_step is not None and rnd == 0 and i == 0 and last_cost > 0 \
-                        and tokens_per_step[k] / (cost_floor * last_cost) < best_rate:
-                    pruned[k] = (f"{tokens_per_step[k]:.3f} tokens/step at >= {1e3 * cost_floor * last_cost:.1f} ms/step "
-                                 f"cannot beat {best_rate:.2f} tok/s")
-                    bar.update()
-                    continue
-                res = decoder.generate(row["input_ids"], new_tokens, choose=k, sampler=sampler)
-                times = [s.seconds for s in res.steps[warmup_steps:]] or [s.seconds for s in res.steps]
-                step_s[k].extend(times)
-                prefill_s.append(res.prefill_seconds)
+            for k in timed:
+                marks = [now()]
+                decoder.generate(row["input_ids"], new_tokens, choose=k, sampler=sampler,
+                                 stream=lambda _tokens: marks.append(now()))
+                steps = [b - a for a, b in zip(marks[1:], marks[2:])]
+                step_s[k].extend(steps[warmup_steps:] or steps)
+                prefill_s.append(marks[1] - marks[0])
                 prompt_tokens.append(len(row["input_ids"]))
-                if tokens_per_step is not None and times:
-                    cost = statistics.median(times)
-                    last_cost = max(last_cost, cost)
-                    best_rate = max(best_rate, tokens_per_step[k] / cost)
                 bar.update()
             # AR per-token latency: total minus this prompt's prefill, over the decoded tokens
-            pre = statistics.median(prefill_s[-(n - len(pruned)):])
+            pre = statistics.median(prefill_s[-len(timed):])
             if len(out) > 1:
                 ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
     bar.close()
@@ -83,6 +76,26 @@ def time_trees(
         "prompt_tokens": statistics.median(prompt_tokens),
         "pruned": pruned,
     }
+
+
+def prune_by_cost(tokens_per_step: list[float], step_s: list[float], margin: float = 0.15) -> dict[int, str]:
+    """Trees (index -> why) that cannot pay for their modeled cost: even `margin` cheaper than
+    modeled, their tokens per second stay below the best of the trees before them (trees come
+    ordered by size). Only a tree faster than every smaller one can join the throughput hull;
+    the margin leaves room for the model's error."""
+    if len(tokens_per_step) != len(step_s):
+        raise ValueError(f"{len(tokens_per_step)} tokens/step figures for {len(step_s)} step costs")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must lie in [0, 1), got {margin}")
+    pruned: dict[int, str] = {}
+    best = 0.0
+    for k, (tps, s) in enumerate(zip(tokens_per_step, step_s)):
+        rate = tps / s
+        if tps / ((1 - margin) * s) < best:
+            pruned[k] = (f"{tps:.3f} tokens/step at {1e3 * s:.1f} ms/step (modeled) cannot beat {best:.2f} tok/s "
+                         f"even {100 * margin:.0f}% cheaper")
+        best = max(best, rate)
+    return pruned
 
 
 @torch.inference_mode()

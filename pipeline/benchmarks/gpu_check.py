@@ -49,7 +49,9 @@ def _print_timing(root: Path) -> None:
               f"({doc['prompt_tokens']} tokens), AR {doc['ar_tok_per_s']:.1f} tok/s")
         for t in doc["trees"]:
             if t.get("step_ms") is not None:
-                print(f"[gpu-check]   tree {t['nodes']:>3} nodes depth {t['depth']}: step {t['step_ms']:.2f} ms, "
+                check = (f", timed decode {t['measured_step_ms']:.2f} ms (model {t['model_error_pct']:+.1f}%)"
+                         if t.get("measured_step_ms") is not None else ", not timed")
+                print(f"[gpu-check]   tree {t['nodes']:>3} nodes depth {t['depth']}: step {t['step_ms']:.2f} ms (modeled){check}, "
                       f"{t['tokens_per_step']:.2f} tokens/step (replayed), {t['tok_per_s']:.1f} tok/s")
 
 

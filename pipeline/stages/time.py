@@ -1,5 +1,6 @@
-"""time: step latency of every candidate tree on this machine and the end-to-end tok/s it implies
-(`time.prune` skips trees whose tokens/step cannot pay for their cost).
+"""time: a measured step-cost model of this machine (`pipeline.step_cost`), every candidate tree's
+modeled step cost and the end-to-end tok/s it implies, checked against timed decodes of the trees
+that can pay for their cost (`time.prune` skips the others).
 
 Tokens/step come from the exact replay under exact acceptance; under typical acceptance, which
 the replay does not model, from recalibrate's real decoding with it (so time then runs after
@@ -7,6 +8,8 @@ recalibrate), and the timed decodes use typical acceptance too."""
 
 from __future__ import annotations
 
+import logging
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +23,27 @@ from pipeline.stages import grow as grow_stage
 from pipeline.stages import recalibrate as recalibrate_stage
 from pipeline.stages.prepare import rows_hash, split_rows
 
+log = logging.getLogger(__name__)
+
 READS = ("time", "profile.timing_prompts", "profile.max_new_tokens", "sampling", "acceptance", *grow_stage.CANDIDATES)
+
+
+def cost_contexts(prompt_tokens: float, max_new_tokens: int, check_tokens: int) -> tuple[list[int], int, int]:
+    """(grid of measured contexts, the reference context of the bank's costs, the context of the
+    check decodes). The reference is the mean context of a `max_new_tokens` generation after a
+    median prompt; the grid spans the prompt to the end of that generation."""
+    p = int(round(prompt_tokens))
+    ref, check = p + max_new_tokens // 2, p + check_tokens // 2
+    return sorted({p, ref, p + max_new_tokens}), ref, check
 
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.timing import e2e_tokens_per_second, time_head_chain, time_trees
+    from pipeline.step_cost import error_pct, measure_step_cost, step_clock
+    from pipeline.timing import e2e_tokens_per_second, prune_by_cost, time_head_chain, time_trees
     from runtime.decoder import HEAD_SIGNALS
     from runtime.tree import Tree
+    from tqdm.auto import tqdm
 
     cands = grow_stage.candidate_trees(cfg)
     rows = split_rows(cfg, "calib", int(cfg.profile.timing_prompts))
@@ -40,33 +56,71 @@ def output(cfg: DictConfig) -> Path:
         key["recalibrate"] = output_digest(recal_dir)
 
     def build(tmp: Path) -> dict[str, Any]:
-        dec = tree_decoder(cfg, [c["tree"] for c in cands])
+        tc = cfg.time
         if exact:
             per_tree_tps = [c["replay_tokens_per_step"] for c in cands]
         else:
             real = {Tree(r["paths"]): r["real_tokens_per_step"] for r in read_json(recal_dir / "recalibrate.json")["trees"]}
             per_tree_tps = [real[c["tree"]] for c in cands]
-        t = time_trees(dec, rows, rounds=int(cfg.time.rounds), new_tokens=int(cfg.time.new_tokens),
-                       tokens_per_step=per_tree_tps if cfg.time.prune else None, sampler=sampler_from_cfg(cfg))
         n_new = int(cfg.profile.max_new_tokens)
+        dec = tree_decoder(cfg, [c["tree"] for c in cands])
+        sampler = sampler_from_cfg(cfg)
+        prompt_len = statistics.median(len(r["input_ids"]) for r in rows)
+        contexts, ref_ctx, check_ctx = cost_contexts(prompt_len, n_new, int(tc.new_tokens))
+        bar = tqdm(total=1, desc="step-cost model", unit="probe")
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        model = measure_step_cost(dec, rows[0]["input_ids"], [c["tree"].num_nodes for c in cands], contexts,
+                                  repeats=int(tc.cost_repeats), fixed_tokens=int(tc.cost_tokens), sampler=sampler,
+                                  dtype=resolve_dtype(cfg), machine=machine_info(), progress=progress,
+                                  clock_kind=str(tc.clock))
+        bar.close()
+        model.save(tmp / "step_cost.json")
+        modeled = [model.predict(c["tree"], ref_ctx) for c in cands]
+        skip = prune_by_cost(per_tree_tps, [m["step_ms"] / 1000 for m in modeled], float(tc.prune_margin)) if tc.prune else {}
+        t = time_trees(dec, rows, rounds=int(tc.rounds), new_tokens=int(tc.new_tokens), skip=skip, sampler=sampler,
+                       now=step_clock(str(tc.clock), dec.model.device))
         trees = []
-        for k, (c, s) in enumerate(zip(cands, t["step_s"])):
+        for k, (c, m, measured) in enumerate(zip(cands, modeled, t["step_s"])):
             tps = per_tree_tps[k]
             timed = k not in t["pruned"]
-            trees.append({"paths": [list(p) for p in c["tree"].paths], "nodes": c["tree"].num_nodes, "depth": c["tree"].depth,
-                          "tokens_per_step": tps, "step_ms": 1000 * s if timed else None,
-                          "tok_per_s": e2e_tokens_per_second(tps, s, t["prefill_s"], n_new) if timed else None,
-                          **({} if timed else {"pruned": t["pruned"][k]})})
+            entry: dict[str, Any] = {
+                "paths": [list(p) for p in c["tree"].paths], "nodes": c["tree"].num_nodes, "depth": c["tree"].depth,
+                "tokens_per_step": tps, "step_ms": m["step_ms"],
+                "cost_ms": {part: m[f"{part}_ms"] for part in ("draft", "verify", "fixed")},
+                "tok_per_s": e2e_tokens_per_second(tps, m["step_ms"] / 1000, t["prefill_s"], n_new),
+            }
+            if timed:
+                at_check = model.predict(c["tree"], check_ctx)["step_ms"]
+                entry.update({"measured_step_ms": 1000 * measured, "modeled_step_ms_at_check": at_check,
+                              "model_error_pct": error_pct(at_check, 1000 * measured)})
+            else:
+                entry["pruned"] = t["pruned"][k]
+            trees.append(entry)
+        for e in trees:
+            if "model_error_pct" in e:
+                log.info("[time] %2d nodes depth %d: modeled %.1f ms (draft %.1f, verify %.1f, fixed %.1f), "
+                         "timed decode %.1f ms, error %+.1f%%", e["nodes"], e["depth"], e["modeled_step_ms_at_check"],
+                         e["cost_ms"]["draft"], e["cost_ms"]["verify"], e["cost_ms"]["fixed"],
+                         e["measured_step_ms"], e["model_error_pct"])
         ar_tok_s = e2e_tokens_per_second(1.0, t["ar_token_s"], t["prefill_s"], n_new)
         chain_ms = 1000 * time_head_chain(dec, rows[0])
-        atomic_write_json(tmp / "timing.json", {"trees": trees, "ar_token_ms": 1000 * t["ar_token_s"], "ar_tok_per_s": ar_tok_s,
-                                                "signal_ms": {name: chain_ms for name in HEAD_SIGNALS},
-                                                "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
-                                                "machine": machine_info(), "dtype": resolve_dtype(cfg),
-                                                "tokens_per_step_from": "replay" if exact else "recalibrate",
-                                                "acceptance": plain(cfg.acceptance)})
-        best = max((x for x in trees if x["tok_per_s"] is not None), key=lambda x: x["tok_per_s"])
+        errors = [abs(e["model_error_pct"]) for e in trees if "model_error_pct" in e]
+        atomic_write_json(tmp / "timing.json", {
+            "trees": trees, "ar_token_ms": 1000 * t["ar_token_s"], "ar_tok_per_s": ar_tok_s,
+            "signal_ms": {name: chain_ms for name in HEAD_SIGNALS},
+            "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
+            "cost_model": {"file": "step_cost.json", "clock": str(tc.clock), "reference_context": ref_ctx,
+                           "check_context": check_ctx,
+                           "max_abs_error_pct": max(errors) if errors else None},
+            "machine": machine_info(), "dtype": resolve_dtype(cfg),
+            "tokens_per_step_from": "replay" if exact else "recalibrate", "acceptance": plain(cfg.acceptance)})
+        best = max((x for x in trees if "pruned" not in x), key=lambda x: x["tok_per_s"])
         return {"best_nodes": best["nodes"], "best_tok_per_s": best["tok_per_s"], "ar_tok_per_s": ar_tok_s,
-                "pruned": len(t["pruned"])}
+                "pruned": len(t["pruned"]), "max_abs_model_error_pct": max(errors) if errors else None}
 
     return run_stage("time", Layout.from_cfg(cfg).decode_work / "time", key, build, force=forced(cfg, "time"))

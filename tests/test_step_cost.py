@@ -1,0 +1,238 @@
+"""The step-cost model (pipeline/step_cost.py): it recovers known costs from synthetic timings,
+measures real probes on a tiny random model, and the bank's choice made from modeled costs is
+deterministic and follows the model (not the noisy timed decodes beside it)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.step_cost import StepCostModel, chains_tree, fit_fixed, level_widths, measure_step_cost, step_clock
+from pipeline.timing import prune_by_cost
+from runtime.tree import Tree
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NUM_HEADS = 4
+WIDTHS = [1, 2, 4, 8, 16, 32]
+
+
+def _verify_ms(n: float, ctx: float) -> float:
+    return 20.0 + 0.6 * n + 0.01 * ctx + 0.0004 * n * ctx   # bilinear: interpolation is exact
+
+
+def _level_ms(d: int, w: float) -> float:
+    return 1.0 + 0.5 * d + 0.3 * w                          # linear in the width: exact too
+
+
+def _synthetic_model(kind: str = "hydra") -> StepCostModel:
+    """A model whose tables were 'measured' from known cost functions."""
+    rows, contexts = [1, 2, 3, 5, 9, 17, 33, 65], [100, 150, 250]
+    widths = WIDTHS if kind == "hydra" else [1]
+    prologue = 0.2
+
+    def chains_ms(depth: int, w: int) -> float:  # propose of chains_tree(w, depth): level 1 has one row
+        if kind == "medusa":
+            return prologue + (2.0 + 0.7 * depth if depth else 0.0)
+        return prologue + sum(_level_ms(d, 1 if d == 1 else w) for d in range(1, depth + 1))
+
+    return StepCostModel(kind=kind, num_heads=NUM_HEADS, verify_rows=rows, verify_contexts=contexts,
+                         verify_ms=[[_verify_ms(n, c) for n in rows] for c in contexts], draft_widths=widths,
+                         draft_ms=[[chains_ms(d, w) for w in widths] for d in range(NUM_HEADS + 1)],
+                         fixed_coef=[3.0, 0.4, 0.02])
+
+
+def _random_tree(rng: random.Random, max_nodes: int = 40) -> Tree:
+    paths: list[tuple[int, ...]] = []
+    children: dict[tuple[int, ...], int] = {(): 0}
+    for _ in range(rng.randrange(0, max_nodes)):
+        parent = rng.choice([p for p in children if len(p) < NUM_HEADS])
+        child = parent + (children[parent],)
+        children[parent] += 1
+        children[child] = 0
+        paths.append(child)
+    return Tree(paths)
+
+
+def test_predict_recovers_known_costs_on_random_trees() -> None:
+    model = _synthetic_model()
+    rng = random.Random(0)
+    for _ in range(200):
+        tree = _random_tree(rng)
+        ctx = rng.uniform(100, 250)
+        widths = level_widths(tree)
+        draft = 0.2 + sum(_level_ms(d, widths[d - 1]) for d in range(1, tree.depth + 1))
+        want = {"draft_ms": draft, "verify_ms": _verify_ms(tree.num_nodes, ctx),
+                "fixed_ms": 3.0 + 0.4 * tree.depth + 0.02 * tree.num_nodes}
+        got = model.predict(tree, ctx)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-9), (k, tree.paths)
+        assert got["step_ms"] == pytest.approx(sum(want.values()))
+
+
+def test_medusa_draft_depends_on_depth_only() -> None:
+    model = _synthetic_model("medusa")
+    wide, chain = Tree([(i,) for i in range(8)] + [(0, 0), (0, 0, 0)]), Tree([(0,), (0, 0), (0, 0, 0)])
+    assert model.draft(wide) == model.draft(chain) == pytest.approx(0.2 + 2.0 + 0.7 * 3)
+
+
+def test_verify_extrapolates_linearly_past_the_grid() -> None:
+    model = _synthetic_model()
+    assert model.verify(90, 300) == pytest.approx(_verify_ms(90, 300))
+    assert model.verify(1, 50) == pytest.approx(_verify_ms(1, 50))
+
+
+def test_level_widths_and_chains_tree() -> None:
+    tree = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert level_widths(tree) == [1, 2, 1]
+    assert level_widths(chains_tree(5, 3)) == [1, 5, 5]
+    assert chains_tree(3, 0).num_nodes == 1 and chains_tree(3, 2).num_nodes == 7
+
+
+def test_fit_fixed_recovers_coefficients_and_drops_what_it_cannot_tell_apart() -> None:
+    points = [(d, n, 3.0 + 0.4 * d + 0.02 * n) for d, n in [(0, 1), (1, 2), (4, 5), (1, 9), (4, 33)]]
+    assert fit_fixed(points) == pytest.approx([3.0, 0.4, 0.02])
+    # chains only: nodes = depth + 1, so a node cost and a depth cost are the same thing
+    chains = [(d, d + 1, 3.0 + 0.5 * d) for d in range(5)]
+    a, b, c = fit_fixed(chains)
+    assert c == 0.0 and a == pytest.approx(3.0) and b == pytest.approx(0.5)
+
+
+def test_save_load_round_trip_and_refusals(tmp_path: Path) -> None:
+    model = _synthetic_model()
+    model.save(tmp_path / "m.json")
+    assert StepCostModel.load(tmp_path / "m.json") == model
+    d = json.loads((tmp_path / "m.json").read_text())
+    d["verify_ms"][0] = d["verify_ms"][0][:-1]
+    with pytest.raises(ValueError, match="verify_ms must be"):
+        StepCostModel.from_dict(d)
+    d = model.to_dict() | {"surprise": 1}
+    with pytest.raises(ValueError, match="unknown fields"):
+        StepCostModel.from_dict(d)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot read the step-cost model"):
+        StepCostModel.load(tmp_path / "bad.json")
+
+
+def test_cpu_clock_needs_one_thread() -> None:
+    assert callable(step_clock("cpu", torch.device("cpu")))  # this module runs with one torch thread
+    with pytest.raises(ValueError, match="clock must be"):
+        step_clock("sundial", torch.device("cpu"))
+
+
+def test_prune_by_cost_keeps_only_trees_that_can_pay() -> None:
+    # tokens/step and modeled seconds: tree 2 is slower than tree 1 even 15% cheaper; tree 3 is close enough
+    tps, cost = [1.0, 1.5, 1.6, 1.9], [0.010, 0.012, 0.020, 0.016]
+    pruned = prune_by_cost(tps, cost, margin=0.15)
+    assert set(pruned) == {2}
+    assert set(prune_by_cost(tps, cost, margin=0.0)) == {2, 3}
+    assert "cannot beat 125.00 tok/s" in pruned[2]
+
+
+def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest fixture
+    from runtime.decoder import TreeDecoder
+    from runtime.heads import load_heads
+    from runtime.model import load_model
+    from runtime.tree import TreeBuffers
+
+    model = load_model(bundle.model_dir, max_seq_len=256)
+    heads = load_heads(bundle.heads_dir, model=model)
+    torch.set_num_threads(1)
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(Tree([]))])
+    prompt = list(range(5, 25))
+    cm = measure_step_cost(dec, prompt, [1, 3, 9], [20, 40], repeats=2, fixed_tokens=6, clock_kind="cpu")
+    n = heads.config.num_heads
+    assert cm.verify_rows == [1, 3, 9] and cm.verify_contexts == [20, 40] and len(cm.draft_ms) == n + 1
+    assert cm.clock == "cpu" and cm.threads == 1 and len(cm.fixed_points) == 5
+    assert all(v > 0 for r in cm.verify_ms for v in r)
+    assert all(v > 0 for r in cm.draft_ms[1:] for v in r)
+    tree = Tree([(0,), (1,), (0, 0)])
+    p = cm.predict(tree, 30)
+    assert p["step_ms"] == pytest.approx(p["draft_ms"] + p["verify_ms"] + p["fixed_ms"]) and p["step_ms"] > 0
+    assert model.cache_len == 0  # the measurement leaves the model as it found it
+
+
+def _timing(rng: np.random.Generator, noise: float) -> dict:
+    """A timing.json as the time stage writes it: modeled step_ms (the bank's input) plus measured
+    figures that scatter around them by `noise`."""
+    from pipeline.timing import e2e_tokens_per_second
+
+    trees = []
+    for paths, tps in [([], 1.0), ([[0]], 1.5), ([[0], [0, 0]], 1.8), ([[0], [1], [0, 0]], 1.9),
+                       ([[0], [0, 0], [0, 0, 0]], 2.0), ([[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]], 2.3)]:
+        t = Tree(paths)
+        step = 30.0 + 4.0 * t.num_nodes + 2.0 * t.depth
+        measured = step * (1 + noise * rng.standard_normal())
+        trees.append({"paths": paths, "nodes": t.num_nodes, "depth": t.depth, "tokens_per_step": tps, "step_ms": step,
+                      "cost_ms": {"draft": 2.0 * t.depth, "verify": 25.0 + 4.0 * t.num_nodes, "fixed": 5.0},
+                      "tok_per_s": e2e_tokens_per_second(tps, step / 1000, 0.1, 96), "measured_step_ms": measured,
+                      "model_error_pct": 100 * (step - measured) / measured})
+    return {"trees": trees}
+
+
+def test_bank_members_are_deterministic_and_follow_the_model() -> None:
+    from pipeline.bank import bank_members
+    from tests.helpers import synthetic_rollouts
+
+    rollouts = synthetic_rollouts(n_prompts=3, length=48, depth=4)
+    rng = np.random.default_rng(0)
+    picks = []
+    for _ in range(3):  # the timed decodes scatter by 30%; the modeled costs stay
+        cands = _timing(rng, noise=0.3)["trees"]
+        picks.append((bank_members(cands, rollouts, "oracle"), bank_members(cands, rollouts, "hull")))
+    assert picks[0] == picks[1] == picks[2]
+    # the modeled figures decide: the largest tree made cheap in the model joins the hull
+    from pipeline.timing import e2e_tokens_per_second
+
+    cands = _timing(np.random.default_rng(1), noise=0.0)["trees"]
+    assert len(cands) - 1 not in picks[0][1]
+    cands[-1]["step_ms"] = 31.0
+    cands[-1]["tok_per_s"] = e2e_tokens_per_second(cands[-1]["tokens_per_step"], 0.031, 0.1, 96)
+    assert len(cands) - 1 in bank_members(cands, rollouts, "hull")
+
+
+@pytest.mark.slow
+def test_time_stage_writes_modeled_components_and_the_check(bundle, tmp_path: Path) -> None:  # noqa: ANN001
+    """stage=time on the tiny bundle: every candidate has a modeled cost split into draft / verify /
+    fixed, every timed tree its measured figure and the model's error, and the saved model
+    predicts the recorded costs again."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import graph
+    from tests.helpers import MODEL_NAME, REPO
+
+    artifacts, data = tmp_path / "artifacts", tmp_path / "data"
+    shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[
+            "stage=time", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
+            f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
+            "threads=1", "time.clock=cpu", "time.cost_repeats=2", "time.cost_tokens=6", "profile.calib_prompts=3",
+            "profile.recalib_prompts=1", "profile.timing_prompts=1", "profile.max_new_tokens=6", "profile.eval_prompts=2",
+            "time.rounds=1", "time.new_tokens=6", "grow.candidate_sizes=[0,2,4,8]", f"artifacts_dir={artifacts}",
+            f"data_dir={data}"])
+    graph.clear_memo()
+    time_dir = graph.run(cfg)
+    timing = json.loads((time_dir / "timing.json").read_text())
+    model = StepCostModel.load(time_dir / "step_cost.json")
+    assert model.clock == "cpu" and timing["cost_model"]["clock"] == "cpu"
+    ref = timing["cost_model"]["reference_context"]
+    checked = 0
+    for t in timing["trees"]:
+        parts = t["cost_ms"]
+        assert set(parts) == {"draft", "verify", "fixed"}
+        assert t["step_ms"] == pytest.approx(sum(parts.values()))
+        assert t["step_ms"] == pytest.approx(model.predict(Tree(t["paths"]), ref)["step_ms"])
+        if "pruned" not in t:
+            checked += 1
+            assert t["measured_step_ms"] > 0
+            assert t["model_error_pct"] == pytest.approx(
+                100 * (t["modeled_step_ms_at_check"] - t["measured_step_ms"]) / t["measured_step_ms"])
+    assert checked >= 1
