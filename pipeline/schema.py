@@ -143,7 +143,7 @@ class TrainSettings:
 
 
 # TrainSettings fields newer than the shipped heads, with the defaults a key leaves out
-_ADDED_TRAIN_FIELDS = {"sampled_continuations": 0, "sample_temperature": 0.8, "rank_loss_weight": 0.0,
+_ADDED_TRAIN_FIELDS = {"dtype": "float32", "sampled_continuations": 0, "sample_temperature": 0.8, "rank_loss_weight": 0.0,
                        "rank_loss_topk": 8, "ttt_weight": 0.0}
 
 

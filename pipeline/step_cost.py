@@ -370,3 +370,41 @@ def measure_step_cost(
 def error_pct(predicted_ms: float, measured_ms: float) -> float:
     """Signed error of a prediction in percent of the measured figure."""
     return 100.0 * (predicted_ms - measured_ms) / measured_ms
+
+
+def cost_contexts(prompt_tokens: float, max_new_tokens: int, check_tokens: int) -> tuple[list[int], int, int]:
+    """(grid of measured contexts, the reference context of the bank's costs, the context of the
+    check decodes). The reference is the mean context of a `max_new_tokens` generation after a
+    median prompt; the grid spans the prompt to the end of that generation."""
+    p = int(round(prompt_tokens))
+    ref, check = p + max_new_tokens // 2, p + check_tokens // 2
+    return sorted({p, ref, p + max_new_tokens}), ref, check
+
+
+def tree_entries(cands: list[dict], tokens_per_step: Sequence[float], modeled: Sequence[dict[str, float]],
+                 timed: dict[str, Any], model: StepCostModel, check_context: int,
+                 tok_per_s: Callable[[float, float], float]) -> list[dict[str, Any]]:
+    """timing.json's per-tree entries: the modeled cost and its draft / verify / fixed parts, the
+    tok/s they imply (`tok_per_s(tokens_per_step, step_seconds)`), and for every tree that
+    `time_trees` decoded (`timed`) the measured step, the model's figure at the context of those
+    decodes and its error. Each checked tree is logged."""
+    trees = []
+    for k, (c, m, measured) in enumerate(zip(cands, modeled, timed["step_s"])):
+        tree = c["tree"]
+        entry: dict[str, Any] = {
+            "paths": [list(p) for p in tree.paths], "nodes": tree.num_nodes, "depth": tree.depth,
+            "tokens_per_step": tokens_per_step[k], "step_ms": m["step_ms"],
+            "cost_ms": {part: m[f"{part}_ms"] for part in ("draft", "verify", "fixed")},
+            "tok_per_s": tok_per_s(tokens_per_step[k], m["step_ms"] / 1000),
+        }
+        if k in timed["pruned"]:
+            entry["pruned"] = timed["pruned"][k]
+        else:
+            at_check = model.predict(tree, check_context)["step_ms"]
+            entry.update({"measured_step_ms": 1000 * measured, "modeled_step_ms_at_check": at_check,
+                          "model_error_pct": error_pct(at_check, 1000 * measured)})
+            log.info("[time] %2d nodes depth %d: modeled %.1f ms (draft %.1f, verify %.1f, fixed %.1f), timed decode "
+                     "%.1f ms, error %+.1f%%", entry["nodes"], entry["depth"], at_check, *entry["cost_ms"].values(),
+                     entry["measured_step_ms"], entry["model_error_pct"])
+        trees.append(entry)
+    return trees

@@ -366,6 +366,8 @@ def tiny_pipeline_cfg(artifacts: Path, data: Path, bundle: TinyBundle, *extra: s
     to run in seconds, with outputs in `artifacts` / `data`; `extra` overrides come first."""
     from hydra import compose, initialize_config_dir
 
+    import pipeline.schema  # noqa: F401 - registers the typed schema the config's defaults name
+
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose("config", overrides=[*extra,
             "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",

@@ -25,7 +25,7 @@ def seqs(tiny_dir: Path, tmp_path_factory) -> list[dict]:  # noqa: F811 - the im
 def test_new_settings_enter_the_key_only_when_changed() -> None:
     default = TrainSettings()
     old_fields = {f.name for f in dataclasses.fields(default)} - {
-        "sampled_continuations", "sample_temperature", "rank_loss_weight", "rank_loss_topk", "ttt_weight"}
+        "dtype", "sampled_continuations", "sample_temperature", "rank_loss_weight", "rank_loss_topk", "ttt_weight"}
     assert set(train_key(default)) == old_fields  # the shipped heads' key is unchanged
     assert train_key(TrainSettings(rank_loss_weight=0.5))["rank_loss_weight"] == 0.5
     assert train_key(TrainSettings(ttt_weight=1.0)) != train_key(default)

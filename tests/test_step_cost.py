@@ -203,23 +203,16 @@ def test_time_stage_writes_modeled_components_and_the_check(bundle, tmp_path: Pa
     predicts the recorded costs again."""
     import shutil
 
-    from hydra import compose, initialize_config_dir
-
     from pipeline import graph
-    from tests.helpers import MODEL_NAME, REPO
+    from pipeline.stages import time as time_stage
+    from tests.helpers import MODEL_NAME, tiny_pipeline_cfg
 
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "stage=time", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
-            f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
-            "threads=1", "time.clock=cpu", "time.cost_repeats=2", "time.cost_tokens=6", "profile.calib_prompts=3",
-            "profile.recalib_prompts=1", "profile.timing_prompts=1", "profile.max_new_tokens=6", "profile.eval_prompts=2",
-            "time.rounds=1", "time.new_tokens=6", "grow.candidate_sizes=[0,2,4,8]", f"artifacts_dir={artifacts}",
-            f"data_dir={data}"])
+    cfg = tiny_pipeline_cfg(artifacts, data, bundle, "time.clock=cpu", "time.cost_repeats=2", "time.cost_tokens=6",
+                            "time.new_tokens=6")
     graph.clear_memo()
-    time_dir = graph.run(cfg)
+    time_dir = time_stage.output(cfg)
     timing = json.loads((time_dir / "timing.json").read_text())
     model = StepCostModel.load(time_dir / "step_cost.json")
     assert model.clock == "cpu" and timing["cost_model"]["clock"] == "cpu"

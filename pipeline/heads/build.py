@@ -92,8 +92,6 @@ def train_key(s: TrainSettings) -> dict[str, Any]:
     out = s.key_dict()
     if isinstance(out.get("epochs"), float) and out["epochs"].is_integer():
         out["epochs"] = int(out["epochs"])
-    if out.get("dtype") == "float32":  # the default arithmetic, as before the setting existed
-        del out["dtype"]
     return out
 
 

@@ -8,7 +8,6 @@ recalibrate), and the timed decodes use typical acceptance too."""
 
 from __future__ import annotations
 
-import logging
 import statistics
 from pathlib import Path
 from typing import Any
@@ -23,23 +22,12 @@ from pipeline.stages import grow as grow_stage
 from pipeline.stages import recalibrate as recalibrate_stage
 from pipeline.stages.prepare import rows_hash, split_rows
 
-log = logging.getLogger(__name__)
-
 READS = ("time", "profile.timing_prompts", "profile.max_new_tokens", "sampling", "acceptance", *grow_stage.CANDIDATES)
-
-
-def cost_contexts(prompt_tokens: float, max_new_tokens: int, check_tokens: int) -> tuple[list[int], int, int]:
-    """(grid of measured contexts, the reference context of the bank's costs, the context of the
-    check decodes). The reference is the mean context of a `max_new_tokens` generation after a
-    median prompt; the grid spans the prompt to the end of that generation."""
-    p = int(round(prompt_tokens))
-    ref, check = p + max_new_tokens // 2, p + check_tokens // 2
-    return sorted({p, ref, p + max_new_tokens}), ref, check
 
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.step_cost import error_pct, measure_step_cost, step_clock
+    from pipeline.step_cost import cost_contexts, measure_step_cost, step_clock, tree_entries
     from pipeline.timing import e2e_tokens_per_second, prune_by_cost, time_head_chain, time_trees
     from runtime.decoder import HEAD_SIGNALS
     from runtime.tree import Tree
@@ -70,8 +58,7 @@ def output(cfg: DictConfig) -> Path:
         bar = tqdm(total=1, desc="step-cost model", unit="probe")
 
         def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.n = done
+            bar.total, bar.n = total, done
             bar.refresh()
 
         model = measure_step_cost(dec, rows[0]["input_ids"], [c["tree"].num_nodes for c in cands], contexts,
@@ -84,29 +71,8 @@ def output(cfg: DictConfig) -> Path:
         skip = prune_by_cost(per_tree_tps, [m["step_ms"] / 1000 for m in modeled], float(tc.prune_margin)) if tc.prune else {}
         t = time_trees(dec, rows, rounds=int(tc.rounds), new_tokens=int(tc.new_tokens), skip=skip, sampler=sampler,
                        now=step_clock(str(tc.clock), dec.model.device))
-        trees = []
-        for k, (c, m, measured) in enumerate(zip(cands, modeled, t["step_s"])):
-            tps = per_tree_tps[k]
-            timed = k not in t["pruned"]
-            entry: dict[str, Any] = {
-                "paths": [list(p) for p in c["tree"].paths], "nodes": c["tree"].num_nodes, "depth": c["tree"].depth,
-                "tokens_per_step": tps, "step_ms": m["step_ms"],
-                "cost_ms": {part: m[f"{part}_ms"] for part in ("draft", "verify", "fixed")},
-                "tok_per_s": e2e_tokens_per_second(tps, m["step_ms"] / 1000, t["prefill_s"], n_new),
-            }
-            if timed:
-                at_check = model.predict(c["tree"], check_ctx)["step_ms"]
-                entry.update({"measured_step_ms": 1000 * measured, "modeled_step_ms_at_check": at_check,
-                              "model_error_pct": error_pct(at_check, 1000 * measured)})
-            else:
-                entry["pruned"] = t["pruned"][k]
-            trees.append(entry)
-        for e in trees:
-            if "model_error_pct" in e:
-                log.info("[time] %2d nodes depth %d: modeled %.1f ms (draft %.1f, verify %.1f, fixed %.1f), "
-                         "timed decode %.1f ms, error %+.1f%%", e["nodes"], e["depth"], e["modeled_step_ms_at_check"],
-                         e["cost_ms"]["draft"], e["cost_ms"]["verify"], e["cost_ms"]["fixed"],
-                         e["measured_step_ms"], e["model_error_pct"])
+        trees = tree_entries(cands, per_tree_tps, modeled, t, model, check_ctx,
+                             lambda tps, step_s: e2e_tokens_per_second(tps, step_s, t["prefill_s"], n_new))
         ar_tok_s = e2e_tokens_per_second(1.0, t["ar_token_s"], t["prefill_s"], n_new)
         chain_ms = 1000 * time_head_chain(dec, rows[0])
         errors = [abs(e["model_error_pct"]) for e in trees if "model_error_pct" in e]
