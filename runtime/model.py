@@ -249,6 +249,35 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+# (module shapes, dtype, device, block rows, total rows) -> whether one product over all the rows
+# gives the blocks' results bit for bit (see `by_row_blocks`)
+_ONE_CALL_MATCHES_BLOCKS: dict[tuple, bool] = {}
+
+
+def by_row_blocks(fn: nn.Module, x: Tensor, rows: int) -> Tensor:
+    """fn (a per-row module: a Linear, the feed-forward) on x, whose row count is a multiple of
+    `rows`, with each row's result exactly as fn computes it on blocks of `rows` rows.
+
+    Separate calls per block cost nearly a whole call each on a CPU (the kernel prepares the
+    weights again every call), while one call over all the rows costs little more than one block.
+    Whether one call rounds like the blocks depends on the kernel's row blocking, so it is not
+    assumed: the first time a shape is seen, both are computed (on x and on random rows) and one
+    call is used from then on only where they agree bit for bit."""
+    n = x.shape[0]
+    if n == rows:
+        return fn(x)
+    key = (tuple(tuple(p.shape) for p in fn.parameters()), x.dtype, x.device.type, rows, n)
+    ok = _ONE_CALL_MATCHES_BLOCKS.get(key)
+    if ok:
+        return fn(x)
+    blocks = torch.cat([fn(x[i:i + rows]) for i in range(0, n, rows)])
+    if ok is None:
+        probe = torch.randn_like(x)
+        _ONE_CALL_MATCHES_BLOCKS[key] = bool(torch.equal(fn(x), blocks)) and bool(torch.equal(
+            fn(probe), torch.cat([fn(probe[i:i + rows]) for i in range(0, n, rows)])))
+    return blocks
+
+
 @dataclass
 class RowPlan:
     """How one row-invariant forward (see `Transformer.set_row_invariance`) attends: shared by all
@@ -260,21 +289,23 @@ class RowPlan:
     write_at: int   # cache slot of row 0's K/V
     real: int       # rows that are tokens; the rest are padding
     groups: list[tuple[Tensor, Tensor]]
+    block: int      # the padded row count every matrix product sees (`by_row_blocks`)
 
 
-def row_plan(start: int, ancestors: list[list[int]], lo: int, hi: int, device: torch.device) -> RowPlan:
-    """The plan for new tokens lo..hi-1 of a forward that appends after `start` committed slots;
-    ancestors[i] lists the new tokens (indices, increasing, i itself last) token i attends to."""
+def row_plan(start: int, ancestors: list[list[int]], device: torch.device, block: int) -> RowPlan:
+    """The plan for the new tokens of a forward that appends after `start` committed slots;
+    ancestors[i] lists the new tokens (indices, increasing, i itself last) token i attends to;
+    `block` is the row count of every matrix product."""
     by_count: dict[int, list[int]] = {}
-    for i in range(lo, hi):
-        by_count.setdefault(len(ancestors[i]), []).append(i)
+    for i, anc in enumerate(ancestors):
+        by_count.setdefault(len(anc), []).append(i)
     prefix = torch.arange(start, device=device)
     groups = []
     for count, members in by_count.items():
         tail = torch.tensor([[start + j for j in ancestors[i]] for i in members], dtype=torch.long, device=device)
         keys = torch.cat([prefix.expand(len(members), start), tail], dim=1)
-        groups.append((torch.tensor([i - lo for i in members], dtype=torch.long, device=device), keys))
-    return RowPlan(write_at=start + lo, real=hi - lo, groups=groups)
+        groups.append((torch.tensor(members, dtype=torch.long, device=device), keys))
+    return RowPlan(write_at=start, real=len(ancestors), groups=groups, block=block)
 
 
 class Attention(nn.Module):
@@ -311,7 +342,7 @@ class Attention(nn.Module):
         rows = x.shape[0]
         h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
         groups = h // kvh
-        qkv = self.wqkv(x).view(rows, h + 2 * kvh, hd)
+        qkv = by_row_blocks(self.wqkv, x, plan.block).view(rows, h + 2 * kvh, hd)
         qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
         at, real = plan.write_at, plan.real
         kv[0, :, at:at + real] = qk[:real, h:].transpose(0, 1)
@@ -324,7 +355,7 @@ class Attention(nn.Module):
             k = kv[0].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
             v = kv[1].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
             out[members] = F.scaled_dot_product_attention(q[members], k, v)
-        return self.wo(out.reshape(rows, h * hd))
+        return by_row_blocks(self.wo, out.reshape(rows, h * hd), plan.block)
 
 
 class FeedForward(nn.Module):
@@ -353,7 +384,7 @@ class TransformerBlock(nn.Module):
 
     def forward_invariant(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
         x = x + self.attention.forward_invariant(self.attention_norm(x), cos, sin, kv, plan)
-        return x + self.feed_forward(self.ffn_norm(x))
+        return x + by_row_blocks(self.feed_forward, self.ffn_norm(x), plan.block)
 
 
 class Transformer(nn.Module):
@@ -430,7 +461,7 @@ class Transformer(nn.Module):
         differently in a 1-row and an N-row product, and attention over a tree's masked slots sums
         its keys in another order than over AR's contiguous cache. With `rows` = P set, a forward of
         n <= P tokens is padded to exactly P rows (pad rows' K/V are never written), a larger one
-        runs in chunks of P, and each token attends over its own keys gathered in logical order
+        to the next multiple of P, every matrix product runs on blocks of P rows, and each token attends over its own keys gathered in logical order
         (prefix, then its ancestors by depth), with no mask. AR decoding (one token) and every tree
         verify then produce the same logits for the same position in any dtype. A prefill (mask
         None, more than one token) keeps the ordinary path: AR and tree decoding share it."""
@@ -540,8 +571,8 @@ class Transformer(nn.Module):
 
     def _forward_invariant(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None,
                            last_only: bool) -> tuple[Tensor, Tensor]:
-        """`forward` under row invariance (see `set_row_invariance`): chunks of `invariant_rows`
-        tokens, each padded to that many rows. Reads the mask on the host."""
+        """`forward` under row invariance (see `set_row_invariance`): the tokens padded to a multiple
+        of `invariant_rows` rows, every matrix product on blocks of that many. Reads the mask on the host."""
         rows = self.invariant_rows
         assert rows is not None
         n, start, dev = tokens.shape[1], self._cache_len, self.device
@@ -553,29 +584,26 @@ class Transformer(nn.Module):
             if any(a[-1:] != [i] for i, a in enumerate(ancestors)) or bool(m.triu(1).any()):
                 raise ValueError("under row invariance the mask must let each token attend to itself and to earlier "
                                  "tokens only (a tree in node order)")
-        logits, hiddens = [], []
-        for lo in range(0, n, rows):
-            hi = min(lo + rows, n)
-            plan = row_plan(start, ancestors, lo, hi, dev)
-            pad = rows - (hi - lo)
-            chunk_tokens = tokens[0, lo:hi]
-            chunk_pos = input_pos[lo:hi]
-            if pad:  # pad rows repeat the first token; their results are dropped
-                chunk_tokens = torch.cat([chunk_tokens, chunk_tokens[:1].expand(pad)])
-                chunk_pos = torch.cat([chunk_pos, chunk_pos[:1].expand(pad)])
-            cos = self.rope_cos[chunk_pos].unsqueeze(1)
-            sin = self.rope_sin[chunk_pos].unsqueeze(1)
-            x = self.tok_embeddings(chunk_tokens)
-            for layer, kv in zip(self.layers, self._layer_caches):
-                x = layer.forward_invariant(x, cos, sin, kv, plan)
-            hidden = self.norm(x)
-            # the lm_head too sees all `rows` rows, so a token's logits do not depend on n
-            logits.append(self.output(hidden)[: hi - lo].float())
-            hiddens.append(hidden[: hi - lo])
-            self._cache_len = start + hi
-        out = logits[0] if len(logits) == 1 else torch.cat(logits)
-        hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
-        return (out[-1:] if last_only else out).unsqueeze(0), hidden.unsqueeze(0)
+        padded = -(-n // rows) * rows
+        plan = row_plan(start, ancestors, dev, rows)
+        pad = padded - n
+        if pad:  # pad rows repeat the first token; their results are dropped
+            tokens = torch.cat([tokens[0], tokens[0, :1].expand(pad)])[None]
+            input_pos = torch.cat([input_pos, input_pos[:1].expand(pad)])
+        cos = self.rope_cos[input_pos].unsqueeze(1)
+        sin = self.rope_sin[input_pos].unsqueeze(1)
+        x = self.tok_embeddings(tokens[0])
+        for layer, kv in zip(self.layers, self._layer_caches):
+            x = layer.forward_invariant(x, cos, sin, kv, plan)
+        hidden = self.norm(x)
+        # the lm_head too sees blocks of `rows` rows, so a token's logits do not depend on n
+        if last_only:  # only the block holding the last token goes through the lm_head
+            first = (n - 1) // rows * rows
+            out = self.output(hidden[first:first + rows])[n - 1 - first:n - first].float()
+        else:
+            out = by_row_blocks(self.output, hidden, rows)[:n].float()
+        self._cache_len = start + n
+        return out.unsqueeze(0), hidden[:n].unsqueeze(0)
 
 
 # ----------------------------------------------------------------------------------------------

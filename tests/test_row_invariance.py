@@ -187,3 +187,21 @@ def test_numerical_divergences_are_listed_within_the_rounding_bound() -> None:
     forged[5] = int(ar_rows[4].argmin())  # the least likely token at position 5
     (d,) = list_divergences(model, rows[:1], {"AR": recs["AR"][:1], "x": [{"id": "p0", "tokens": forged}]}, "bfloat16")
     assert d["position"] == 5 and not d["within_bound"], d
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_blocks_give_each_block_its_own_products_result(dtype: torch.dtype) -> None:
+    """`by_row_blocks` returns, for every row, what the module computes on that row's block alone:
+    on the first call (which probes whether one product over all rows rounds the same), on later
+    calls (one product where the probe said so), and where the probe said no."""
+    from runtime import model as model_mod
+
+    torch.manual_seed(0)
+    lin = model_mod.Linear(48, 80, bias=False).to(dtype)
+    x = torch.randn(24, 48, dtype=dtype)
+    want = torch.cat([lin(x[i:i + 8]) for i in range(0, 24, 8)])
+    for _ in range(2):
+        assert torch.equal(model_mod.by_row_blocks(lin, x, 8), want)
+    key = next(k for k in model_mod._ONE_CALL_MATCHES_BLOCKS if k[0] == ((80, 48),) and k[1] == dtype)
+    model_mod._ONE_CALL_MATCHES_BLOCKS[key] = False
+    assert torch.equal(model_mod.by_row_blocks(lin, x, 8), want)
