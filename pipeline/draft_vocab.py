@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,7 @@ from pipeline.model import model_fingerprint
 from runtime.heads import CONFIG_FILE, DRAFT_DTYPES, WEIGHTS_FILE, DraftHeads, HeadsConfig, load_heads, save_heads
 
 ROOT = Path(__file__).resolve().parents[1]
+_log = logging.getLogger(__name__)
 FREQ_VERSION = 1
 FREQ_FILE = "frequencies.safetensors"
 # weight of one teacher top-k appearance (times its probability) against one emitted token:
@@ -104,8 +106,8 @@ def frequency_ranking(emitted: np.ndarray, candidate_mass: np.ndarray) -> np.nda
 def token_frequencies(model_dir: Path, data_dir: Path, out_root: Path, s: FrequencySettings | None = None,
                       force: bool = False, log: Callable[[str], None] = print) -> Path:
     """Generate and count the model's greedy continuations of train prompts; write
-    `<out_root>/<model>/freq-<key>/frequencies.safetensors` (emitted, candidate_mass, ranking)
-    with a manifest of where they came from. Skipped when up to date."""
+    `<out_root>/freq-<key>/frequencies.safetensors` (emitted, candidate_mass, ranking) with a
+    manifest of where they came from. Skipped when up to date."""
     from pipeline.heads.distill import generate_batch  # the heads stage's batched greedy generation
 
     s = s or FrequencySettings()
@@ -113,7 +115,7 @@ def token_frequencies(model_dir: Path, data_dir: Path, out_root: Path, s: Freque
     rows = select_train_prompts(data_dir, s)
     key = {"version": FREQ_VERSION, "model": model_fingerprint(model_dir), "settings": asdict(s),
            "prompts": hash_obj([r["id"] for r in rows]), "split": "train"}
-    out_dir = Path(out_root) / model_dir.name / f"freq-{hash_obj(key)[:12]}"
+    out_dir = Path(out_root) / f"freq-{hash_obj(key)[:12]}"
 
     def build(tmp: Path) -> dict[str, Any]:
         from transformers import LlamaForCausalLM
@@ -229,6 +231,21 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
     return run_stage("draft_vocab_heads", Path(out_dir), key, build, force=force, log=log)
 
 
+def derive_draft_vocab_heads(full_dir: str | Path, model_dir: Path, data_dir: Path, freq_root: Path, out_dir: Path,
+                             size: int, s: FrequencySettings, force: bool = False) -> Path:
+    """The heads stage's draft-vocabulary step (`heads.draft_vocab.size`): the frequencies of the
+    model's own outputs on the train pools (under `freq_root`), then the draft heads in `out_dir`.
+    Heads with output layers of their own are refused before any work: the draft vocabulary
+    restricts the shared lm_head."""
+    full_dir = Path(full_dir)
+    output = json.loads((full_dir / CONFIG_FILE).read_text()).get("output")
+    if output != "shared":
+        raise ValueError(f"heads.draft_vocab.size={size} restricts the shared lm_head, but the heads in {full_dir} "
+                         f"have output={output!r}: set heads.draft_vocab.size=null")
+    freq_dir = token_frequencies(model_dir, data_dir, freq_root, s, force=force, log=_log.info)
+    return write_draft_vocab_heads(full_dir, freq_dir, size, out_dir, force=force, log=_log.info)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / Layout.for_model("artifacts", default_model_name()).model_dir))
@@ -246,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(args.model)
     heads_root = Path(args.heads_root or ROOT / Layout.for_model("artifacts", model_dir.name).heads_dir(""))
     s = FrequencySettings(tasks=args.tasks, prompts_per_task=args.prompts_per_task, max_new_tokens=args.new_tokens)
-    freq_dir = token_frequencies(model_dir, Path(args.data), ROOT / Layout.for_model("artifacts", model_dir.name).draft_vocab_cache, s, force=args.force)
+    freq_dir = token_frequencies(model_dir, Path(args.data), ROOT / Layout.for_model("artifacts", model_dir.name).frequencies_root, s, force=args.force)
     for kind in args.kinds:
         for size in args.sizes:
             out = heads_root / f"{kind}-draft{size}"

@@ -41,6 +41,13 @@ def acceptance_tag(acceptance: Any) -> str:
             f"a{float(acceptance['alpha']):g}")
 
 
+def heads_run_name(heads: Any) -> str:
+    """The name of the heads every stage after `heads` decodes with: `heads.name`, or
+    `<name>-draft<size>` when they draft over a frequency-ranked vocabulary (`heads.draft_vocab`)."""
+    size = (heads.get("draft_vocab") or {}).get("size")
+    return f"{heads.name}-draft{int(size)}" if size else str(heads.name)
+
+
 @dataclass(frozen=True)
 class Layout:
     artifacts: Path
@@ -54,7 +61,7 @@ class Layout:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Layout:
-        return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, cfg.heads.name, cfg.task.name,
+        return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, heads_run_name(cfg.heads), cfg.task.name,
                    cfg.profile.name, decoding_tag(cfg.get("sampling")), acceptance_tag(cfg.get("acceptance")))
 
     @property
@@ -124,9 +131,10 @@ class Layout:
         return self.bank_dir.parent
 
     @property
-    def draft_vocab_cache(self) -> Path:
-        """Token frequencies of the model's own outputs (the draft-vocabulary ranking)."""
-        return self.artifacts / "cache" / "draft_vocab"
+    def frequencies_root(self) -> Path:
+        """Token frequencies of the model's own outputs (draft-vocabulary rankings), one folder per
+        key, shipped beside the heads they were derived for."""
+        return self.heads_root / "frequencies"
 
     @property
     def model_reports(self) -> Path:

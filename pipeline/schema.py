@@ -148,6 +148,19 @@ _ADDED_TRAIN_FIELDS = {"dtype": "float32", "sampled_continuations": 0, "sample_t
 
 
 @dataclass
+class DraftVocabConfig:
+    """A frequency-ranked draft vocabulary (FR-Spec) derived from full-vocabulary heads without
+    retraining (`pipeline.draft_vocab`): the heads draft over the `size` ids the model itself emits
+    most often on the train pools of `heads.train.tasks`, so their output product reads `size`
+    rows of the lm_head instead of all of them. Verification by the base model keeps decoding
+    lossless; a token outside the draft vocabulary is simply never drafted."""
+
+    size: Optional[int] = at_least(None, 1)      # null: draft over the whole vocabulary
+    prompts_per_task: int = at_least(24, 1)      # train prompts per task whose continuations are counted
+    max_new_tokens: int = at_least(64, 1)        # length of each counted greedy continuation
+
+
+@dataclass
 class HeadsConfig:
     """Draft heads: their shape, and how they are trained (`train`) unless `dir` names a folder."""
 
@@ -160,6 +173,8 @@ class HeadsConfig:
     output: str = choice("shared", "shared", "own", "draft")  # shared: the base lm_head, frozen
     draft_vocab_size: Optional[int] = at_least(None, 1)       # only for output: draft
     dropout: float = at_least(0.0, 0.0, 1.0)                  # training only
+    # derived after training or import, for heads whose output layer is the base lm_head (`shared`)
+    draft_vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)
     train: TrainSettings = field(default_factory=TrainSettings)
 
 

@@ -9,6 +9,7 @@ reported at once, each naming the setting, its value and what to do.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -138,6 +139,9 @@ def config_problems(cfg: DictConfig) -> list[str]:
         add("heads.draft_vocab_size=None: heads.output=draft needs a positive draft vocabulary size")
     if output in ("shared", "own") and dv is not None:
         add(f"heads.draft_vocab_size={dv!r} only applies to heads.output=draft; set it to null")
+    if get("heads.draft_vocab.size") and output != "shared":
+        add(f"heads.draft_vocab.size={get('heads.draft_vocab.size')} restricts the shared lm_head, but "
+            f"heads.output={output}: set heads.draft_vocab.size=null")
     hdir = get("heads.dir")
     if hdir:
         if not (Path(str(hdir)) / "config.json").is_file():
@@ -147,6 +151,8 @@ def config_problems(cfg: DictConfig) -> list[str]:
             from pipeline.heads_import import heads_folder_kind
 
             guard("heads.dir", lambda: heads_folder_kind(Path(str(hdir))))
+            if get("heads.draft_vocab.size"):
+                guard("heads.draft_vocab.size", lambda: _check_draft_vocab_source(Path(str(hdir))))
     elif isinstance(get("heads.train"), dict):
         train = get("heads.train")
         for p in TrainSettings.cross_field_problems(SimpleNamespace(**train)):  # type: ignore[arg-type]
@@ -212,3 +218,16 @@ def validate_config(cfg: DictConfig) -> None:
     problems = config_problems(cfg)
     if problems:
         raise ConfigError(problems)
+
+
+def _check_draft_vocab_source(folder: Path) -> None:
+    """A frequency-ranked draft vocabulary restricts the base lm_head the heads share: refuse
+    heads.dir folders whose heads have output layers of their own."""
+    from pipeline.heads_import import heads_folder_kind
+
+    kind = heads_folder_kind(folder)
+    output = json.loads((folder / "config.json").read_text()).get("output") if kind == "project" else "own"
+    if output != "shared":
+        what = f"a published {kind} folder" if kind != "project" else f"project heads with output={output!r}"
+        raise ValueError(f"{folder} is {what}: its heads have their own output layers, and the draft vocabulary "
+                         "(heads.draft_vocab.size) restricts the shared lm_head; set heads.draft_vocab.size=null")

@@ -249,33 +249,66 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-# (module shapes, dtype, device, block rows, total rows) -> whether one product over all the rows
-# gives the blocks' results bit for bit (see `by_row_blocks`)
-_ONE_CALL_MATCHES_BLOCKS: dict[tuple, bool] = {}
+# (module shapes, dtype, device, block rows, call rows) -> whether one call over that many rows gives
+# each row bit for bit what calls on blocks of `block rows` give (see `by_row_blocks`)
+_CALL_MATCHES_BLOCKS: dict[tuple, bool] = {}
+# (module shapes, dtype, device, block rows, total rows) -> the rows per call `by_row_blocks` uses
+_CALL_WIDTH: dict[tuple, int] = {}
+
+
+def _module_key(fn: nn.Module, x: Tensor, rows: int) -> tuple:
+    return (tuple(tuple(p.shape) for p in fn.parameters()), x.dtype, x.device.type, rows)
+
+
+def _call_matches_blocks(fn: nn.Module, x: Tensor, rows: int, width: int) -> bool:
+    """Whether one call of fn over `width` rows (a multiple of `rows`) rounds every row as calls on
+    blocks of `rows` rows do, probed once per shape on random rows. For width == rows it checks
+    that a row's result does not depend on its place in the block, without which no padded row
+    count makes the forward row-invariant (raises: pick another `invariant_rows`)."""
+    key = (*_module_key(fn, x, rows), width)
+    ok = _CALL_MATCHES_BLOCKS.get(key)
+    if ok is None:
+        g = torch.Generator(device=x.device).manual_seed(width)
+        probe = torch.randn(width, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
+        with torch.no_grad():
+            whole = fn(probe)
+            if width == rows:
+                ok = bool(torch.equal(fn(probe.roll(1, 0)), whole.roll(1, 0)))
+                if not ok:
+                    raise RuntimeError(
+                        f"row invariance with blocks of {rows} rows is impossible here: this machine's "
+                        f"{x.dtype} matrix product rounds a row differently by its place in a {rows}-row call; "
+                        "set another invariant_rows (e.g. 8 or 16), or lossless=numerical")
+            else:
+                ok = bool(torch.equal(whole, torch.cat([fn(probe[i:i + rows]) for i in range(0, width, rows)])))
+        _CALL_MATCHES_BLOCKS[key] = ok
+    return ok
 
 
 def by_row_blocks(fn: nn.Module, x: Tensor, rows: int) -> Tensor:
     """fn (a per-row module: a Linear, the feed-forward) on x, whose row count is a multiple of
     `rows`, with each row's result exactly as fn computes it on blocks of `rows` rows.
 
-    Separate calls per block cost nearly a whole call each on a CPU (the kernel prepares the
-    weights again every call), while one call over all the rows costs little more than one block.
-    Whether one call rounds like the blocks depends on the kernel's row blocking, so it is not
-    assumed: the first time a shape is seen, both are computed (on x and on random rows) and one
-    call is used from then on only where they agree bit for bit."""
+    Separate calls per block cost nearly a whole call each on a CPU (the kernel reads all the
+    weights again every call), while one call over many rows costs little more than one block.
+    Whether a wider call rounds like the blocks depends on how the kernel tiles rows (on one AVX2
+    machine with MKL, 4 to 11 rows round alike and 12 or more otherwise), so it is probed, not
+    assumed: the widest call that rounds like the blocks is used, in as few calls as possible."""
     n = x.shape[0]
-    if n == rows:
+    key = (*_module_key(fn, x, rows), n)
+    width = _CALL_WIDTH.get(key)
+    if width is None:
+        width = rows
+        for w in range(n, rows, -rows):  # widest first; the remainder call must match too
+            rest = n % w
+            if _call_matches_blocks(fn, x, rows, w) and (rest == 0 or rest == rows or _call_matches_blocks(fn, x, rows, rest)):
+                width = w
+                break
+        _call_matches_blocks(fn, x, rows, rows)  # the block itself: a row's place must not matter
+        _CALL_WIDTH[key] = width
+    if width >= n:
         return fn(x)
-    key = (tuple(tuple(p.shape) for p in fn.parameters()), x.dtype, x.device.type, rows, n)
-    ok = _ONE_CALL_MATCHES_BLOCKS.get(key)
-    if ok:
-        return fn(x)
-    blocks = torch.cat([fn(x[i:i + rows]) for i in range(0, n, rows)])
-    if ok is None:
-        probe = torch.randn_like(x)
-        _ONE_CALL_MATCHES_BLOCKS[key] = bool(torch.equal(fn(x), blocks)) and bool(torch.equal(
-            fn(probe), torch.cat([fn(probe[i:i + rows]) for i in range(0, n, rows)])))
-    return blocks
+    return torch.cat([fn(x[i:i + width]) for i in range(0, n, width)])
 
 
 @dataclass

@@ -363,13 +363,14 @@ def tiny_bundle(tmp_path_factory, tokenizer_dir: Path) -> TinyBundle:  # noqa: A
 
 def tiny_pipeline_cfg(artifacts: Path, data: Path, bundle: TinyBundle, *extra: str):  # noqa: ANN201 - DictConfig
     """The pipeline config (`stage=bank task=humaneval`) for the tiny bundle's model and heads, sized
-    to run in seconds, with outputs in `artifacts` / `data`; `extra` overrides come first."""
+    to run in seconds, with outputs in `artifacts` / `data`; `extra` overrides come first (the
+    draft vocabulary, off here, before them)."""
     from hydra import compose, initialize_config_dir
 
     import pipeline.schema  # noqa: F401 - registers the typed schema the config's defaults name
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*extra,
+        return compose("config", overrides=["heads.draft_vocab.size=null", *extra,
             "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
             f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
             "threads=1", "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",

@@ -38,7 +38,7 @@ def test_bank_from_own_model_and_published_heads(tmp_path: Path, layout: str) ->
         pytest.skip(f"{venv} was not installed by `make install` from this pyproject.toml; the test would reinstall it")
     args = " ".join([
         "model=local", f"model.path={src}", "model.name=tiny-vicuna", "model.chat_template=vicuna_v1.1",
-        f"heads.dir={heads}", "heads.name=hydra_pp_published", "dtype=float32", "threads=1",
+        f"heads.dir={heads}", "heads.name=hydra_pp_published", "heads.draft_vocab.size=null", "dtype=float32", "threads=1",
         "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",
         "profile.max_new_tokens=6", "profile.eval_prompts=2", "profile.max_prompt_tokens=256",
         "time.rounds=1", "time.new_tokens=4", "'grow.candidate_sizes=[0,2,4,8]'",

@@ -190,18 +190,39 @@ def test_numerical_divergences_are_listed_within_the_rounding_bound() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_row_blocks_give_each_block_its_own_products_result(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("n", [8, 16, 24, 40])
+def test_row_blocks_give_each_block_its_own_products_result(dtype: torch.dtype, n: int) -> None:
     """`by_row_blocks` returns, for every row, what the module computes on that row's block alone:
-    on the first call (which probes whether one product over all rows rounds the same), on later
-    calls (one product where the probe said so), and where the probe said no."""
+    on the first call (which probes how wide one product may be and still round the same), on later
+    calls, and where the probes said that no wider product does."""
     from runtime import model as model_mod
 
     torch.manual_seed(0)
     lin = model_mod.Linear(48, 80, bias=False).to(dtype)
-    x = torch.randn(24, 48, dtype=dtype)
-    want = torch.cat([lin(x[i:i + 8]) for i in range(0, 24, 8)])
+    lin.add_fast_paths()  # the CPU float32 products by row count, as load_model sets them up
+    x = torch.randn(n, 48, dtype=dtype)
+    want = torch.cat([lin(x[i:i + 4]) for i in range(0, n, 4)])
     for _ in range(2):
-        assert torch.equal(model_mod.by_row_blocks(lin, x, 8), want)
-    key = next(k for k in model_mod._ONE_CALL_MATCHES_BLOCKS if k[0] == ((80, 48),) and k[1] == dtype)
-    model_mod._ONE_CALL_MATCHES_BLOCKS[key] = False
-    assert torch.equal(model_mod.by_row_blocks(lin, x, 8), want)
+        assert torch.equal(model_mod.by_row_blocks(lin, x, 4), want)
+    for width in range(8, n + 1, 4):  # as if no product wider than a block rounded like the blocks
+        model_mod._CALL_MATCHES_BLOCKS[(((80, 48),), dtype, "cpu", 4, width)] = False
+    model_mod._CALL_WIDTH.clear()
+    assert torch.equal(model_mod.by_row_blocks(lin, x, 4), want)
+    assert model_mod._CALL_WIDTH[(((80, 48),), dtype, "cpu", 4, n)] == 4
+
+
+def test_row_blocks_refuse_a_block_whose_rows_round_by_their_place() -> None:
+    """No padded row count helps when a row's result depends on where it sits in the block: the
+    probe says so, with what to do."""
+    from runtime import model as model_mod
+
+    class ByPlace(torch.nn.Module):  # adds a tiny amount that depends on the row's index
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w + 1e-3 * torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+
+    with pytest.raises(RuntimeError, match="invariant_rows"):
+        model_mod.by_row_blocks(ByPlace(), torch.randn(8, 3), 4)

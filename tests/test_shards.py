@@ -124,7 +124,7 @@ def _pipeline(artifacts: Path, data: Path, bundle: TinyBundle, *overrides: str) 
     # <artifacts>/models/<model.name> (older Layouts derived the model folder from the name)
     cmd = [python_exe(), "-m", "pipeline", *overrides,
            "model=local", f"model.name={MODEL_NAME}", f"model.path={artifacts / 'models' / MODEL_NAME}",
-           f"heads.dir={bundle.heads_dir}", "task=humaneval", "dtype=float32", "threads=1",
+           f"heads.dir={bundle.heads_dir}", "heads.draft_vocab.size=null", "task=humaneval", "dtype=float32", "threads=1",
            "profile.calib_prompts=3", "profile.recalib_prompts=2", "profile.timing_prompts=1",
            f"profile.max_new_tokens={NEW_TOKENS}", f"artifacts_dir={artifacts}", f"data_dir={data}"]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)

@@ -31,6 +31,6 @@ def test_summary_and_plot(tmp_path: Path) -> None:
     assert "| 0 | 1.30 | 1.60 |  |  | 2.20 |" in table and "| 0.7 | 1.30 | 1.60 |  |  |  |" in table
     out = Layout.from_cfg(cfg).temperature_reports
     # beside the greedy reports of the task, not inside the T = 0.7 folder
-    assert out == tmp_path / "reports" / cfg.model.name / cfg.heads.name / "humaneval" / "temperatures"
+    assert out == tmp_path / "reports" / cfg.model.name / Layout.from_cfg(cfg).heads_name / "humaneval" / "temperatures"
     plot(df, {0.0: 2.2}, out / "frontiers.png", cfg)
     assert (out / "frontiers.png").read_bytes()[:4] == b"\x89PNG"

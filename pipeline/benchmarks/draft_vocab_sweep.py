@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     texts = {t: own_continuations(model, p, args.new_tokens) for t, p in calib.items()} if "quality" not in args.skip else {}
     settings = FrequencySettings(prompts_per_task=args.freq_prompts_per_task, max_new_tokens=args.freq_new_tokens)
     freq_dir = Path(args.freq) if args.freq else token_frequencies(model_dir, Path(args.data),
-                                                                   ROOT / Layout.for_model("artifacts", model_dir.name).draft_vocab_cache, settings)
+                                                                   ROOT / Layout.for_model("artifacts", model_dir.name).frequencies_root, settings)
     ranking = read_frequencies(freq_dir, model.args.vocab_size)["ranking"]
     fulls = {}
     for kind in args.kinds:

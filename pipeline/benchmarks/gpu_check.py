@@ -30,9 +30,12 @@ def _build_bank(dtype: str, root: Path) -> Path:
     """Run the pipeline on the GPU in its own artifacts folder; return the bank folder."""
     from pipeline.paths import Layout, default_model_name
 
-    heads = REPO / Layout.for_model("artifacts", default_model_name()).heads_dir("hydra")  # the shipped heads
+    # the shipped default heads (Hydra over the 8k draft vocabulary), used as they are
+    name = "hydra-draft8192"
+    heads = REPO / Layout.for_model("artifacts", default_model_name()).heads_dir(name)
     cmd = [sys.executable, "-m", "pipeline", "stage=bank", "task=humaneval", "device=cuda", f"dtype={dtype}",
-           f"artifacts_dir={root}", f"data_dir={root / 'data'}", f"heads.dir={heads}"]
+           f"artifacts_dir={root}", f"data_dir={root / 'data'}", f"heads.dir={heads}", f"heads.name={name}",
+           "heads.draft_vocab.size=null"]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, check=True)
     print(f"[gpu-check] {dtype}: bank built in {time.perf_counter() - t0:.0f} s")

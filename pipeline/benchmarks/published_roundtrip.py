@@ -45,7 +45,7 @@ def _compose(root: Path, task: str, heads_dir: Path, heads_name: str, stage: str
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[
             f"stage={stage}", f"task={task}", "dtype=float32", f"heads.dir={heads_dir}", f"heads.name={heads_name}",
-            f"artifacts_dir={root}", f"data_dir={root / 'data'}", *overrides])
+            "heads.draft_vocab.size=null", f"artifacts_dir={root}", f"data_dir={root / 'data'}", *overrides])
 
 
 def export_shipped(root: Path, model_name: str) -> tuple[Path, Path]:

@@ -30,7 +30,7 @@ TRAIN_VERSION = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HEAD_KEYS = {f.name for f in dataclasses.fields(HeadsConfig)} - {"hidden_size", "vocab_size", "base_fingerprint", "base_args"}
 # entries of the `heads` config group that are not head shapes
-_NOT_SHAPE = ("name", "dir", "train")
+_NOT_SHAPE = ("name", "dir", "train", "draft_vocab")
 
 
 def heads_config_for(heads_cfg: dict[str, Any], model_args: Any, fingerprint: str | None) -> HeadsConfig:
