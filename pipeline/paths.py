@@ -33,6 +33,14 @@ def decoding_tag(sampling: Any) -> str:
     return tag + f"s{int(sampling.get('seed', 0))}"
 
 
+def arithmetic_tag(cfg: Any) -> str:
+    """How a run decodes, as its folders name it: `decoding_tag`, plus "numerical" under
+    `lossless: numerical` (ordinary arithmetic: another rollout and bank than the row-invariant
+    default's, so the two live side by side instead of rebuilding each other)."""
+    tags = [decoding_tag(cfg.get("sampling")), "numerical" if cfg.get("lossless", "exact") == "numerical" else ""]
+    return "-".join(t for t in tags if t)
+
+
 def acceptance_tag(acceptance: Any) -> str:
     """"" for exact acceptance, else "typ<temperature>e<epsilon>a<alpha>" (typical acceptance)."""
     if acceptance is None or acceptance.get("kind", "exact") == "exact":
@@ -56,13 +64,13 @@ class Layout:
     heads_name: str
     task: str
     profile: str
-    decoding: str = ""   # "" for greedy; e.g. "T0.7" for seeded sampling (see `decoding_tag`)
+    decoding: str = ""   # "" for greedy and row-invariant; e.g. "T0.7s0" or "numerical" (see `arithmetic_tag`)
     acceptance: str = ""  # "" for exact acceptance; e.g. "typT0.7e0.09a0.3" (see `acceptance_tag`)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> Layout:
         return cls(Path(cfg.artifacts_dir), Path(cfg.data_dir), cfg.model.name, heads_run_name(cfg.heads), cfg.task.name,
-                   cfg.profile.name, decoding_tag(cfg.get("sampling")), acceptance_tag(cfg.get("acceptance")))
+                   cfg.profile.name, arithmetic_tag(cfg), acceptance_tag(cfg.get("acceptance")))
 
     @property
     def task_run(self) -> str:

@@ -1,7 +1,7 @@
 """Public API: load a model, its draft heads and a TopologyBank, then generate.
 
     from runtime import EntMTP
-    engine = EntMTP.load("artifacts/banks/smollm2-135m-instruct/hydra/humaneval")
+    engine = EntMTP.load("artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval")
     out = engine.generate("Write a function that reverses a string.", max_new_tokens=128)
     print(out.text, out.stats)
 

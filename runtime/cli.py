@@ -1,7 +1,7 @@
 """`entmtp` command line: generate with a bank, inspect a bank, export its trees.
 
-  entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra/humaneval --prompt "..." [--policy hysteresis] [--compare-ar]
-  entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra/humaneval
+  entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval --prompt "..." [--policy hysteresis] [--compare-ar]
+  entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval
   entmtp export   artifacts/banks/.../humaneval --format vllm [--tree best|K]
 """
 

@@ -500,6 +500,11 @@ class Transformer(nn.Module):
         None, more than one token) keeps the ordinary path: AR and tree decoding share it."""
         if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
             raise ValueError(f"row invariance takes a positive padded row count or None, got {rows!r}")
+        if rows is not None:  # fail now, not by diverging later, where this machine's products cannot do it
+            layer = self.layers[0]
+            for fn in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward, self.output):
+                width = next(p for p in fn.parameters() if p.dim() == 2).shape[1]
+                _call_matches_blocks(fn, torch.empty(rows, width, dtype=self.dtype, device=self.device), rows, rows)
         self.invariant_rows = rows
 
     def truncate_cache(self, length: int) -> None:

@@ -49,3 +49,16 @@ def test_sampled_banks_have_their_own_folders() -> None:
     sampled = Layout(Path("a"), Path("d"), "m", "h", "humaneval", "cpu", tag)
     assert greedy.bank_dir.name == "humaneval" and sampled.bank_dir.name == "humaneval@T0.7s0"
     assert greedy.work != sampled.work and greedy.task_data() == sampled.task_data()  # same prompts
+
+
+def test_numerical_arithmetic_has_its_own_folders() -> None:
+    """lossless=numerical decodes in another arithmetic than the row-invariant default: its rollout
+    and bank live beside the default's instead of rebuilding them."""
+    from pipeline.paths import arithmetic_tag
+
+    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    assert arithmetic_tag({"sampling": greedy, "lossless": "exact"}) == ""
+    assert arithmetic_tag({"sampling": greedy, "lossless": "numerical"}) == "numerical"
+    assert arithmetic_tag({"sampling": {**greedy, "temperature": 0.7}, "lossless": "numerical"}) == "T0.7s0-numerical"
+    num = Layout(Path("a"), Path("d"), "m", "h", "gsm8k", "cpu", "numerical")
+    assert num.bank_dir.name == "gsm8k@numerical" and num.work != Layout(Path("a"), Path("d"), "m", "h", "gsm8k", "cpu").work

@@ -1,6 +1,6 @@
 """The lossless modes side by side: identity with AR and speed, per dtype, with one bank's trees.
 
-    python -m pipeline.benchmarks.lossless_modes --bank artifacts/banks/<model>/hydra/humaneval \
+    python -m pipeline.benchmarks.lossless_modes --bank artifacts/banks/<model>/hydra-draft8192/humaneval \
         [--variants bfloat16:exact bfloat16:numerical float32:numerical float32:exact] [--prompts 5]
 
 Each variant is the base model in a dtype and a lossless mode (exact: row-invariant forwards,

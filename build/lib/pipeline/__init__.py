@@ -1,0 +1,1 @@
+"""EntMTP offline pipeline: staged jobs that build a per-task TopologyBank."""

@@ -1,0 +1,174 @@
+"""Does a position's logits row depend on how many tokens the forward holds, and where they sit?
+
+    python -m pipeline.benchmarks.row_invariance [--dtypes bfloat16 float32] [--sizes 2 5 9 17] [--rows 8]
+
+For a real prompt, AR decoding feeds the greedy continuation t_0, t_1, ... one token per forward;
+a tree verify feeds the same tokens as one chain of N nodes (root t_0, node d at depth d), and a
+*branchy* verify interleaves a distractor sibling after every chain node, so that node d sits in
+slot 2d with masked slots between its ancestors. Each chain node's logits row is compared with
+AR's row for the same position: max |difference| and whether the rows are bit-identical, per
+depth, with the ordinary arithmetic and under `Transformer.set_row_invariance(rows)`.
+
+Then the cost: CPU time (process_time, medians of interleaved repeats) of a one-token forward and of
+n-token forwards at the prompt's context, with and without invariance, per dtype.
+
+Writes artifacts/reports/benchmarks/row_invariance.json (machine, settings, results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.artifacts import atomic_write_json, machine_info
+from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median
+from runtime.model import Transformer, load_model, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+PROMPT = ("Write a Python function that returns the longest common prefix of a list of strings, "
+          "with a docstring and two doctests. Explain the edge cases: an empty list, a list with one "
+          "string, strings that share nothing, and strings where one is a prefix of all others.")
+
+
+def ar_rows(model: Transformer, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy AR continuation t_0..t_steps-1 and the logits row of every fed token ([steps, V])."""
+    model.reset_cache()
+    logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)
+    tokens = [int(logits[0, -1].argmax())]
+    rows = []
+    for _ in range(steps):
+        logits, _ = model(torch.tensor([[tokens[-1]]]), torch.tensor([model.cache_len]))
+        rows.append(logits[0, -1])
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens[:steps], torch.stack(rows)
+
+
+def chain_and_branchy(tokens: list[int], distractor: int) -> dict[str, tuple[list[int], list[int], torch.Tensor, list[int]]]:
+    """{name: (node tokens, node depths, ancestor mask, slot of chain node d)} for a chain of the
+    tokens and for the same chain with a distractor leaf after every chain node."""
+    n = len(tokens)
+    chain_mask = torch.ones(n, n, dtype=torch.bool).tril()
+    out = {"chain": (tokens, list(range(n)), chain_mask, list(range(n)))}
+    toks, depths, parents, slots = [], [], [], []
+    for d, t in enumerate(tokens):
+        toks.append(t)
+        depths.append(d)
+        parents.append(slots[-1] if slots else -1)
+        slots.append(len(toks) - 1)
+        if d + 1 < n:  # a sibling of the next chain node: same parent, another token
+            toks.append(distractor)
+            depths.append(d + 1)
+            parents.append(slots[-1])
+    m = len(toks)
+    mask = torch.zeros(m, m, dtype=torch.bool)
+    for i in range(m):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    out["branchy"] = (toks, depths, mask, slots)
+    return out
+
+
+def verify_rows(model: Transformer, ids: list[int], nodes: list[int], depths: list[int], mask: torch.Tensor) -> torch.Tensor:
+    model.reset_cache()
+    model(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)
+    start = model.cache_len
+    logits, _ = model(torch.tensor([nodes]), start + torch.tensor(depths), mask)
+    return logits[0]
+
+
+def compare(model: Transformer, ids: list[int], sizes: Sequence[int]) -> list[dict[str, Any]]:
+    steps = max(sizes)
+    tokens, ref = ar_rows(model, ids, steps)
+    results = []
+    for n in sizes:
+        for name, (nodes, depths, mask, slots) in chain_and_branchy(tokens[:n], distractor=tokens[0] + 1).items():
+            rows = verify_rows(model, ids, nodes, depths, mask)[slots]
+            diff = (rows - ref[:n]).abs().amax(dim=-1)
+            same = (rows == ref[:n]).all(dim=-1)
+            results.append({"layout": name, "nodes": len(nodes), "depths": n,
+                            "max_abs_diff_by_depth": [float(f"{x:.3g}") for x in diff.tolist()],
+                            "identical_depths": int(same.sum()), "root_identical": bool(same[0])})
+    return results
+
+
+def cost(models: dict[str, Transformer], ids: list[int], sizes: Sequence[int], repeats: int) -> dict[str, float]:
+    """Median CPU ms of an n-token forward after the prompt, per (model label, n); interleaved."""
+    for m in models.values():
+        m.reset_cache()
+        m(torch.tensor([ids]), torch.arange(len(ids)), last_only=True)
+    start = len(ids)
+    times: dict[str, list[float]] = {f"{k} n={n}": [] for k in models for n in sizes}
+    for r in range(repeats + 1):
+        for label, m in models.items():
+            for n in sizes:
+                mask = torch.ones(n, n, dtype=torch.bool).tril()
+                t0 = time.process_time()
+                m(torch.zeros(1, n, dtype=torch.long), start + torch.arange(n), mask, check_mask=False)
+                dt = time.process_time() - t0
+                m.truncate_cache(start)
+                if r:  # the first round warms up
+                    times[f"{label} n={n}"].append(dt * 1e3)
+    return {k: round(median(v), 2) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--sizes", nargs="+", type=int, default=[2, 5, 9, 17])
+    p.add_argument("--rows", type=int, default=8, help="padded row count under invariance")
+    p.add_argument("--cost-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--skip-cost", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(a.threads)
+
+    tok = load_tokenizer(a.model)
+    ids = tok.encode(PROMPT * 3, add_special_tokens=False).ids
+    report: dict[str, Any] = {"machine": machine_info(), "prompt_tokens": len(ids), "rows": a.rows,
+                              "threads": a.threads, "compare": {}, "cost_ms": {}}
+    models: dict[str, Transformer] = {}
+    for name in a.dtypes:
+        model = load_model(a.model, dtype=getattr(torch, name), max_seq_len=len(ids) + 64)
+        torch.set_num_threads(a.threads)
+        with torch.inference_mode():
+            for inv in (None, a.rows):
+                model.set_row_invariance(inv)
+                key = f"{name} {'invariant P=' + str(inv) if inv else 'plain'}"
+                report["compare"][key] = res = compare(model, ids, a.sizes)
+                for r in res:
+                    log.info("%-26s %-8s N=%-3d identical depths %d/%d, max|diff| by depth %s", key, r["layout"],
+                             r["nodes"], r["identical_depths"], r["depths"], r["max_abs_diff_by_depth"])
+        models[name] = model
+    if not a.skip_cost:
+        import copy
+
+        timed: dict[str, Transformer] = {}
+        for name, model in models.items():
+            model.set_row_invariance(None)
+            timed[f"{name} plain"] = model
+            inv = copy.deepcopy(model)
+            inv.set_row_invariance(a.rows)
+            timed[f"{name} P={a.rows}"] = inv
+        with torch.inference_mode():
+            report["cost_ms"] = cost(timed, ids, a.cost_sizes, a.repeats)
+        for k, v in report["cost_ms"].items():
+            log.info("cost %-28s %8.2f ms", k, v)
+    out = REPORT_DIR / "row_invariance.json"
+    atomic_write_json(out, report)
+    log.info("wrote %s", out)
+
+
+if __name__ == "__main__":
+    main()

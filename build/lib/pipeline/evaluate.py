@@ -1,0 +1,394 @@
+"""Evaluate stage: the paper's Table 1 on our model and machine, on the held-out `eval` split.
+
+Every prompt is decoded by every method in turn (interleaved, so drift of a shared machine hits
+all methods alike). Figures: tok/s with and without prefill, tokens per step, speedups against
+AR and against Hydra's default tree, the share of outputs token-identical to AR, continuation
+perplexity under the base model, and the oracle's replayed figure (best tree per step in
+hindsight over the bank, an upper bound for any policy over it).
+
+At `sampling.temperature` > 0 every method decodes with the run's seeded sampler and the
+reference is seeded AR; typical acceptance is added, and every method gets the distance of its
+output from the model's sampling distribution (pipeline/evaluate_sampling.py). transformers'
+generate is left out there (its sampler draws other noise, so it cannot match seeded AR).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+from runtime.device import clock
+
+Decode = Callable[[list[int], int], dict[str, Any]]
+
+
+log = logging.getLogger(__name__)
+
+def _spec_method(decoder, choose, sampler=None) -> Decode:
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        r = decoder.generate(ids, n, choose=choose if isinstance(choose, int) else choose(), sampler=sampler)
+        return {"tokens": r.tokens, "prefill_s": r.prefill_seconds, "decode_s": r.decode_seconds, "steps": len(r.steps),
+                "trees": [s.tree for s in r.steps], "signals": [s.signal for s in r.steps],
+                "accepted": [s.accepted for s in r.steps]}
+    return run
+
+
+def _ar_method(model, sampler=None) -> Decode:
+    from runtime.generate import ar_generate
+
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        # each streamed token has been read on the host, so these clock reads follow a synchronisation
+        marks: list[float] = []
+        t0 = clock(model.device)
+        toks = ar_generate(model, ids, n, stream=lambda _tok: marks.append(time.perf_counter()), sampler=sampler)
+        t1 = clock(model.device)
+        pre = marks[0] - t0 if marks else t1 - t0
+        return {"tokens": toks, "prefill_s": pre, "decode_s": t1 - t0 - pre, "steps": max(len(toks) - 1, 0)}
+    return run
+
+
+def _hf_method(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Decode:
+    """transformers' own greedy generate on the same device and dtype as our runtime's model."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+
+    @torch.inference_mode()
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        x = torch.tensor([ids], device=device)
+        t0 = clock(device)
+        hf(x)  # prefill alone, to split prefill from decode time
+        pre = clock(device) - t0
+        t0 = clock(device)
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=hf.config.eos_token_id)
+        total = clock(device) - t0
+        toks = out[0, len(ids):].tolist()
+        eos = hf.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        for j, t in enumerate(toks):
+            if t in eos:
+                toks = toks[: j + 1]
+                break
+        return {"tokens": toks, "prefill_s": pre, "decode_s": max(total - pre, 1e-9), "steps": max(len(toks) - 1, 0)}
+    return run
+
+
+def _ordinary_ar_method(model, sampler=None) -> Decode:
+    """AR with the ordinary arithmetic on the row-invariant model (`lossless: exact`): the speed
+    that invariance is paid against, side by side."""
+    ar = _ar_method(model, sampler)
+
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        rows = model.invariant_rows
+        model.set_row_invariance(None)
+        try:
+            return ar(ids, n)
+        finally:
+            model.set_row_invariance(rows)
+    return run
+
+
+# unit roundoff u = 2^-p of each dtype (p: significand bits, the implicit one included)
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
+
+
+@torch.inference_mode()
+def _ar_reference_row(model, ids: list[int], ar_tokens: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits row [V] (float32) and final-normed hidden state [dim] with which AR chose its
+    token t: the same prefill, then AR's one-token forwards (in the model's current arithmetic)."""
+    dev = model.device
+    model.reset_cache()
+    logits, hidden = model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev), last_only=True)
+    for tok in ar_tokens[:t]:
+        logits, hidden = model(torch.tensor([[tok]], device=dev), torch.tensor([model.cache_len], device=dev))
+    return logits[0, -1], hidden[0, -1]
+
+
+def list_divergences(model, rows: list[dict], recs: dict[str, list[dict]], dtype: str) -> list[dict[str, Any]]:
+    """Every output that leaves AR's: where (prompt, first differing position, method), AR's top-2
+    logit gap there, and whether that gap lies within the rounding bound of `dtype`.
+
+    The bound. Two arithmetics of the same forward (AR's one-token product, a tree verify's N-row
+    one) compute logit j = sum_i h_i w_ji from final hidden states that agree to within the
+    dtype's rounding; with u the unit roundoff and S_j = sum_i |h_i w_ji| (the dot product's
+    accumulated magnitude) a relative difference of at most 2u in h (both sides rounded once
+    each) moves logit j by at most 2u S_j, and rounding the result in each arithmetic by at most
+    2u |z_j| <= 2u S_j more: |dz_j| <= 4u S_j. The argmax can move from AR's token a to b only if
+    z_a - z_b <= |dz_a| + |dz_b|, so a divergence that rounding explains has
+    gap(a, b) <= bound = 4u (S_a + S_b); AR's top-2 gap is at most gap(a, b). A divergence
+    outside the bound is not rounding of this kind (a bug, or a method with other arithmetic
+    altogether, like transformers' generate)."""
+    u = UNIT_ROUNDOFF[dtype]
+    out: list[dict[str, Any]] = []
+    ar = {r["id"]: r["tokens"] for r in recs["AR"]}
+    weight = model.output.weight
+    for method, rs in recs.items():
+        if method == "AR":
+            continue
+        for row, r in zip(rows, rs):
+            ref, got = ar[r["id"]], r["tokens"]
+            if got == ref:
+                continue
+            t = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), min(len(ref), len(got)))
+            if t >= min(len(ref), len(got)):  # one stopped early (EOS): no position where both chose
+                out.append({"prompt": r["id"], "method": method, "position": t, "kind": "length"})
+                continue
+            logits, h = _ar_reference_row(model, row["input_ids"], ref, t)
+            a, b = ref[t], got[t]
+            top2 = logits.topk(2).values
+            s = (h.float().abs()[None] * weight[[a, b]].float().abs()).sum(-1)
+            bound = 4 * u * float(s.sum())
+            gap_ab = float(logits[a] - logits[b])
+            out.append({"prompt": r["id"], "method": method, "position": t, "ar_token": a, "method_token": b,
+                        "top2_gap": round(float(top2[0] - top2[1]), 6), "gap_ar_vs_method_token": round(gap_ab, 6),
+                        "bound": round(bound, 6), "within_bound": gap_ab <= bound, "kind": "token"})
+    return out
+
+
+@torch.inference_mode()
+def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
+    """Mean negative log-likelihood (nats) of `cont` after `prompt` under the base model."""
+    if not cont:
+        return float("nan")
+    dev = model.device
+    seq = torch.tensor([prompt + cont[:-1]], device=dev)
+    model.reset_cache()
+    logits, _ = model(seq, torch.arange(seq.shape[1], device=dev))
+    logp = torch.log_softmax(logits[0, len(prompt) - 1:].float(), -1)
+    return float(-logp.gather(-1, torch.tensor(cont, device=dev)[:, None]).mean())
+
+
+def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
+    from pipeline.loaders import acceptance_from_cfg, load_runtime, resolve_dtype, sampler_from_cfg
+    from pipeline.paths import Layout
+    from pipeline.stages import heads as heads_stage
+    from pipeline.stages import model as model_stage
+    from pipeline.stages.prepare import split_rows
+    from runtime.bank import TopologyBank
+    from runtime.fingerprint import heads_fingerprint, weights_fingerprint
+    from runtime.heads import load_heads
+
+    rows = split_rows(cfg, "eval", int(cfg.profile.eval_prompts))
+    model, hydra = load_runtime(cfg)
+    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_stage.output(cfg)),
+                             heads_fingerprint=heads_fingerprint(heads_stage.output(cfg)), max_depth=hydra.config.num_heads)
+    sampler = sampler_from_cfg(cfg)
+    hf = None
+    if cfg.evaluate.hf_generate and sampler.greedy:
+        hf = _hf_method(model_stage.output(cfg), model.device, model.dtype)
+    elif cfg.evaluate.hf_generate:
+        log.info("[evaluate] transformers generate left out at temperature > 0: its sampler cannot match seeded AR")
+    medusa = None
+    try:
+        # bound to the base model loaded above: one copy of its weights serves every method
+        medusa = load_heads(Layout.from_cfg(cfg).heads_dir("medusa"), model=model)
+    except FileNotFoundError as e:
+        log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
+    df, recs = compare_methods(model, hydra, bank, rows, int(cfg.evaluate.max_new_tokens), int(cfg.profile.rank_cap),
+                               sampler, medusa=medusa, hf=hf, acceptance=acceptance_from_cfg(cfg),
+                               desc=f"evaluate {cfg.task.name}")
+    if sampler.greedy:
+        divergences = list_divergences(model, rows, recs, str(model.dtype).removeprefix("torch."))
+        atomic_write_json(out / "divergences.json", {"lossless": str(cfg.lossless), "dtype": str(model.dtype),
+                                                      "invariant_rows": model.invariant_rows, "divergences": divergences})
+        for d in divergences:
+            log.info("%s", f"[evaluate] divergence from AR: {d}")
+    df["task"] = cfg.task.name
+    rows_out = df[df.method != "oracle (replayed)"].drop(columns=["task", "speedup_vs_ar", "vs_hydra_default"]).to_dict("records")
+    table = table_markdown(df, cfg, resolve_dtype(cfg))
+    atomic_write_bytes(out / "table.csv", df.to_csv(index=False).encode())
+    atomic_write_bytes(out / "table.md", table.encode())
+    atomic_write_json(out / "traces.json", {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in recs.items()})
+    plot_methods(df, out / "methods.png", cfg.task.name)
+    dyn = [label for label in POLICY_LABELS.values() if label in recs]
+    if dyn:
+        plot_schedule(recs[dyn[0]][0], bank, out / "schedule.png", dyn[0])
+    log.info("%s", table)
+    oracle_dec = df.loc[df.method == "oracle (replayed)", "decode_tok_per_s"].item()
+    return {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}
+
+
+POLICY_LABELS = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
+
+
+def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: int, sampler=None, medusa=None,
+                    hf: Decode | None = None, acceptance="exact", desc: str = "evaluate") -> tuple[pd.DataFrame, dict[str, list[dict]]]:
+    """Decode every prompt of `rows` ({"id", "input_ids"}) with every method, interleaved, and
+    tabulate (one row per method, then the replayed oracle); also return each method's records.
+
+    `sampler` (default greedy) is the one every exact method and AR decode with; at temperature
+    > 0 typical acceptance rows and the distance columns of pipeline/evaluate_sampling.py are added.
+    `acceptance` is the rule of every speculative row ("exact", or the run's typical acceptance).
+    On a row-invariant model (`lossless: exact`) AR is also timed in the ordinary arithmetic, the
+    speed that invariance is paid against."""
+    from pipeline.evaluate_sampling import distribution_columns, typical_decoders
+    from pipeline.replay import accept_lengths, oracle_schedule
+    from pipeline.rollout import rollout_prompt
+    from runtime.decoder import TreeDecoder
+    from runtime.policy import Scheduler, policy_from_dict
+    from runtime.sampling import Sampler
+    from runtime.tree import Tree, TreeBuffers
+
+    sampler = sampler if sampler is not None else Sampler()
+    mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
+    methods: dict[str, Decode] = {"AR": _ar_method(model, sampler)}
+    if model.invariant_rows is not None:
+        methods["AR (ordinary arithmetic)"] = _ordinary_ar_method(model, sampler)
+    if hf is not None:
+        methods["HF generate"] = hf
+    if medusa is not None:
+        methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc], acceptance=acceptance), 0, sampler)
+    hydra_mc = TreeDecoder(model, hydra, [mc], acceptance=acceptance)
+    methods["Hydra default"] = _spec_method(hydra_mc, 0, sampler)
+    bank_dec = TreeDecoder(model, hydra, bank.buffers, acceptance=acceptance)
+    methods["EntMTP*"] = _spec_method(bank_dec, bank.best_static, sampler)
+    for name, label in POLICY_LABELS.items():
+        if name in bank.policies:
+            pol = bank.policies[name]
+            methods[label] = _spec_method(bank_dec, lambda pol=pol: Scheduler(policy_from_dict(pol), len(bank.trees)), sampler)
+    if not sampler.greedy:
+        for label, dec in typical_decoders(model, hydra, mc, bank.buffers[bank.best_static], sampler.config).items():
+            methods[label] = _spec_method(dec, 0)  # typical acceptance draws with its own temperature
+
+    names = list(methods)
+    recs: dict[str, list[dict]] = {m: [] for m in names}
+    # warm-up: one short run of every method (allocator, kernels)
+    for m in names:
+        methods[m](rows[0]["input_ids"], 8)
+    for row in tqdm(rows, desc=desc, unit="prompt"):
+        for m in names:
+            r = methods[m](row["input_ids"], n_new)
+            r["id"] = row["id"]
+            recs[m].append(r)
+    # the oracle over the bank, replayed on the AR continuations of the eval prompts
+    costs = [f["step_ms"] / 1000 for f in bank.figures]
+    oracle_time, oracle_tokens, oracle_steps = 0.0, 0, 0
+    ar_tokens = {r["id"]: r["tokens"] for r in recs["AR"]}
+    for row in rows:
+        ro = rollout_prompt(model, hydra, row["input_ids"], n_new, rank_cap, sampler=sampler)
+        acc = np.stack([accept_lengths(ro["rank_paths"], t.paths, rank_cap=rank_cap) for t in bank.trees])
+        t_min, sched = oracle_schedule(acc, np.asarray(costs))
+        oracle_time += t_min
+        oracle_tokens += len(ro["tokens"]) - 1
+        oracle_steps += len(sched)
+        if ro["tokens"].tolist() != ar_tokens[row["id"]]:
+            log.info("%s", f"[evaluate] note: rollout and AR differ on {row['id']} (float tie)")
+
+    ar = recs["AR"]
+    rows_out = []
+    for m in names:
+        rs = recs[m]
+        toks = sum(len(r["tokens"]) for r in rs)
+        dec_toks = sum(max(len(r["tokens"]) - 1, 0) for r in rs)
+        total_s = sum(r["prefill_s"] + r["decode_s"] for r in rs)
+        dec_s = sum(r["decode_s"] for r in rs)
+        identical = sum(r["tokens"] == a["tokens"] for r, a in zip(rs, ar))
+        nll = statistics.mean(continuation_nll(model, row["input_ids"], r["tokens"]) for row, r in zip(rows, rs))
+        rows_out.append({
+            "method": m, "tok_per_s": toks / total_s, "decode_tok_per_s": dec_toks / dec_s if dec_s else math.nan,
+            "tokens_per_step": dec_toks / max(sum(r["steps"] for r in rs), 1),
+            "identical_to_ar": identical / len(rs), "ppl": math.exp(nll), "prompts": len(rs), "new_tokens": toks,
+        })
+        if not sampler.greedy:
+            rows_out[-1].update(distribution_columns(model, [row["input_ids"] for row in rows], [r["tokens"] for r in rs],
+                                                     sampler.config))
+    df = pd.DataFrame(rows_out)
+    ar_speed = df.loc[df.method == "AR", "tok_per_s"].item()
+    hyd = df.loc[df.method == "Hydra default", "tok_per_s"].item()
+    df["speedup_vs_ar"] = df.tok_per_s / ar_speed
+    df["vs_hydra_default"] = df.tok_per_s / hyd
+    ar_dec = df.loc[df.method == "AR", "decode_tok_per_s"].item()
+    oracle_dec = oracle_tokens / oracle_time if oracle_time else math.nan
+    # The oracle is replayed with the bank's step costs, measured by the time stage, not in this
+    # run: compare it with AR replayed at the same costs (the root-only tree), or a drift of the
+    # machine between the two runs would show up as speedup.
+    root = [f["step_ms"] for t, f in zip(bank.trees, bank.figures) if t.num_nodes == 1]
+    ar_ref = 1000 / root[0] if root else ar_dec
+    oracle_row = {"method": "oracle (replayed)", "decode_tok_per_s": oracle_dec,
+                  "tokens_per_step": oracle_tokens / max(oracle_steps, 1), "speedup_vs_ar": oracle_dec / ar_ref}
+    df = pd.concat([df, pd.DataFrame([oracle_row])], ignore_index=True)
+    return df, recs
+
+
+def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
+    m = machine_info()
+    acc = cfg.get("acceptance")
+    how = decoding_words(cfg) if acc is None or acc.kind == "exact" else (
+        f"typical acceptance (T {acc.temperature:g}, epsilon {acc.epsilon:g}, alpha {acc.alpha:g}; not lossless)")
+    head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, {how}, batch 1, {dtype}, "
+            f"{m['cpu']} ({m['torch_threads']} threads), {int(cfg.profile.eval_prompts)} eval prompts x "
+            f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n")
+    cols = ["method", "tok_per_s", "decode_tok_per_s", "tokens_per_step", "speedup_vs_ar", "vs_hydra_default", "identical_to_ar", "ppl"]
+    if "nll_gap" in df.columns:
+        cols += ["nll_T", "entropy_T", "nll_gap", "nll_gap_se"]
+        head += ("identical_to_ar: share of outputs token-identical to seeded AR. nll_T / entropy_T: mean surprisal "
+                 "-log p(y) and entropy of the model's tempered (processed) distribution p at each emitted token, "
+                 "nats; nll_gap = nll_T - entropy_T, 0 in expectation for an exact sampler (nll_gap_se: its "
+                 "standard error), negative when a method prefers probable tokens.\n\n")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(str(v) if isinstance(v, str) else ("" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def decoding_words(cfg: DictConfig) -> str:
+    """'greedy', or the seeded sampling settings of the run."""
+    sc = cfg.get("sampling")
+    if sc is None or float(sc.temperature) == 0:
+        return "greedy"
+    return f"seeded sampling (T {float(sc.temperature):g}, top-k {int(sc.top_k)}, top-p {float(sc.top_p):g}, seed {int(sc.seed)})"
+
+
+def plot_methods(df: pd.DataFrame, path: Path, task: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = df[df.method != "oracle (replayed)"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(d.method, d.tok_per_s, color=["gray" if m in ("AR", "HF generate") else "tab:blue" for m in d.method])
+    for x, (v, tps) in enumerate(zip(d.tok_per_s, d.tokens_per_step)):
+        ax.text(x, v, f"{v:.1f}\n({tps:.2f}/step)", ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("tok/s (prefill included)")
+    ax.set_title(f"{task}: methods side by side")
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_schedule(rec: dict, bank, path: Path, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(9, 3.5))
+    steps = range(len(rec["trees"]))
+    ax1.step(steps, [bank.trees[k].num_nodes for k in rec["trees"]], where="post", color="tab:blue", label="tree nodes")
+    ax1.set_xlabel("decoding step")
+    ax1.set_ylabel("tree nodes", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.plot(steps, rec["signals"], color="tab:orange", lw=0.8, label="signal")
+    ax2.set_ylabel("signal", color="tab:orange")
+    ax1.set_title(f"{label}: tree chosen along one generation ({rec['id']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,583 @@
+"""Exact greedy replay of tree decoding from rank paths (the rank-path convention below).
+
+Under greedy verification the decoded text is the AR continuation y_1..y_T whatever the tree, so
+a rollout's rank paths R [T, D] determine everything:
+
+* accepted length of a tree at step index i = longest prefix of R[i] that is a node of the tree;
+* a decode visits i_0 = 0, i_{s+1} = i_s + a(i_s) + 1;
+* a per-step policy over a bank of trees, and the best schedule in hindsight (the oracle), are
+  replays of the same arrays.
+
+Counting convention (the same as a real decoder with max_new_tokens = T): the prefill emits y_1;
+before the step at i the tokens y_1..y_{i+1} are known, and the step emits y_{i+2}..y_{i+a+2},
+i.e. min(a + 1, T - 1 - i) tokens (only the very last step can be clipped: its bonus token would
+be y_{T+1}). Steps run while a token is left, i.e. while i < T - 1. So the steps of one prompt
+emit T - 1 tokens in all, and
+
+    tokens per step = (T - 1) / steps        (the prefill token y_1 is not counted)
+
+pooled over prompts as sum(T - 1) / sum(steps). Tokens per second = the same tokens / the sum of
+the chosen trees' step costs (prefill excluded): a ratio between policies over one bank.
+
+A rollout is a dict of arrays over step indices i = 0..T-1: `rank_paths` int [T, D] (ranks
+capped at K = `rank_cap`: K means "not in the top K" or "beyond the end"), and for policies that
+read a signal `p0` [T], `head_top1` [T, D], `entropy` [T]; optionally `rank_cap` (int; else it is
+read off the data: the last row is all K) and `greedy_top1` [T, D]. Head-aware signals read
+`greedy_top1` when present (the heads' top-1 probabilities along their *own* greedy chain: what a
+decoder sees before verifying) and `head_top1` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from runtime.policy import HysteresisPolicy, Policy, Scheduler, make_signal
+
+Path = tuple[int, ...]
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def tree_paths(tree: Any) -> list[Path]:
+    """The paths of a tree: a `runtime.tree.Tree` (its `.paths`) or any iterable of rank sequences.
+
+    Checks what replay relies on: non-empty tuples of non-negative ints, every prefix present.
+    (Sibling-rank gaps do not matter to replay; `runtime.tree.Tree` checks those.)
+    """
+    raw = tree.paths if hasattr(tree, "paths") else tree
+    paths: list[Path] = []
+    for p in raw:
+        if isinstance(p, (str, bytes)) or not isinstance(p, Iterable):
+            raise ValueError(f"a tree path must be a sequence of ranks, got {p!r}")
+        t = tuple(p)
+        if not t or any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0 for r in t):
+            raise ValueError(f"a tree path must be a non-empty tuple of non-negative ints, got {p!r}")
+        paths.append(tuple(int(r) for r in t))
+    present = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in present:
+            raise ValueError(f"tree is not prefix-closed: path {p} is present but its prefix {p[:-1]} is not")
+    return paths
+
+
+def as_rollouts(rollouts: dict | Sequence[dict]) -> list[dict]:
+    """Accept one rollout dict or a list of them; check `rank_paths` and the signal arrays' shapes."""
+    items = [rollouts] if isinstance(rollouts, dict) else list(rollouts)
+    if not items:
+        raise ValueError("no rollouts given: need at least one prompt's arrays")
+    out = []
+    for n, r in enumerate(items):
+        if not isinstance(r, dict) or "rank_paths" not in r:
+            raise ValueError(f"rollout {n} must be a dict with a 'rank_paths' array [T, D]")
+        rp = np.asarray(r["rank_paths"])
+        if rp.ndim != 2 or not np.issubdtype(rp.dtype, np.integer):
+            raise ValueError(f"rollout {n}: rank_paths must be an int array [T, D], got {rp.dtype} {rp.shape}")
+        if rp.size and rp.min() < 0:
+            raise ValueError(f"rollout {n}: rank_paths has negative ranks")
+        T, D = rp.shape
+        for key, shape in (("p0", (T,)), ("head_top1", (T, D)), ("greedy_top1", (T, D)), ("entropy", (T,))):
+            if key in r and r[key] is not None and np.shape(r[key]) != shape:
+                raise ValueError(f"rollout {n}: {key} has shape {np.shape(r[key])}, expected {shape} to match rank_paths")
+        out.append({**r, "rank_paths": rp})
+    depths = {r["rank_paths"].shape[1] for r in out}
+    if len(depths) != 1:
+        raise ValueError(f"rollouts disagree on the number of heads D: {sorted(depths)}")
+    return out
+
+
+def rank_cap_of(rollouts: Sequence[dict], rank_cap: int | None = None) -> int:
+    """K: the explicit argument, else the rollouts' `rank_cap` field, else read off the data.
+
+    By the rank-path convention the last row R[T-1] is all K (no y_{T+1..T+D} exists), so a
+    rollout carries its own K; all prompts must agree, and no rank may exceed it.
+    """
+    if rank_cap is None:
+        caps = {int(r["rank_cap"]) for r in rollouts if r.get("rank_cap") is not None}
+        if not caps:
+            for n, r in enumerate(rollouts):
+                rp = np.asarray(r["rank_paths"])
+                if len(rp) == 0 or rp.shape[1] == 0:
+                    continue
+                last = np.unique(rp[-1])
+                if len(last) != 1:
+                    raise ValueError(
+                        f"rollout {n}: cannot infer rank_cap, its last row {rp[-1].tolist()} is not all K "
+                        "(rank-path convention); pass rank_cap= or store 'rank_cap' in the rollout"
+                    )
+                caps.add(int(last[0]))
+        if len(caps) > 1:
+            raise ValueError(f"rollouts disagree on rank_cap: {sorted(caps)}")
+        if not caps:
+            raise ValueError("rank_cap (K) unknown and the rollouts are empty: pass rank_cap=")
+        rank_cap = caps.pop()
+    if isinstance(rank_cap, bool) or not isinstance(rank_cap, (int, np.integer)) or rank_cap < 1:
+        raise ValueError(f"rank_cap must be a positive int, got {rank_cap!r}")
+    K = int(rank_cap)
+    for n, r in enumerate(rollouts):
+        rp = np.asarray(r["rank_paths"])
+        if rp.size and rp.max() > K:
+            raise ValueError(f"rollout {n}: rank {int(rp.max())} exceeds rank_cap {K}; ranks are capped at K")
+    return K
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def key_base(rank_cap: int) -> int:
+    """Radix of prefix keys: digit r + 1 in 1..K + 1 (0 never occurs, so prefixes of different
+    lengths get different keys)."""
+    return int(rank_cap) + 2
+
+
+def prefix_keys(rank_paths: np.ndarray, base: int) -> np.ndarray:
+    """int64 [T, D]: column d is the key of the prefix R[i, :d+1]."""
+    rp = np.asarray(rank_paths, dtype=np.int64)
+    T, D = rp.shape
+    if D and float(base) ** D >= 2.0**62:
+        raise ValueError(f"prefix keys would overflow int64 (base {base}, depth {D}): lower rank_cap or depth")
+    keys = np.empty((T, D), dtype=np.int64)
+    k = np.zeros(T, dtype=np.int64)
+    for d in range(D):
+        k = k * base + rp[:, d] + 1
+        keys[:, d] = k
+    return keys
+
+
+def path_key(path: Sequence[int], base: int) -> int:
+    k = 0
+    for r in path:
+        k = k * base + int(r) + 1
+    return k
+
+
+# ----------------------------------------------------------------------------- accept lengths and walks
+
+
+_TABLE_MAX = 1 << 24  # membership by a lookup table over all possible keys when that few exist
+
+
+def _check_tree_for(paths: list[Path], D: int, K: int | None) -> None:
+    if paths and max(len(p) for p in paths) > D:
+        raise ValueError(f"tree has depth {max(len(p) for p in paths)} but the rank paths only cover D = {D} heads")
+    if K is not None:
+        bad = [p for p in paths if max(p) >= K]
+        if bad:
+            raise ValueError(f"tree path {bad[0]} has a rank >= rank_cap {K}: the rollout cannot score it")
+
+
+def _accept_from_keys(keys: np.ndarray, paths: list[Path], base: int) -> np.ndarray:
+    """Run length of member prefixes from depth 1 (for a prefix-closed tree: the accepted length)."""
+    N, D = keys.shape
+    if N == 0 or not paths or D == 0:
+        return np.zeros(N, dtype=np.int32)
+    tree_keys = np.fromiter((path_key(p, base) for p in paths), dtype=np.int64, count=len(paths))
+    if base**D <= _TABLE_MAX:
+        table = np.zeros(base**D, dtype=bool)
+        table[tree_keys] = True
+        member = table[keys]
+    else:
+        member = np.isin(keys, tree_keys)
+    # index of the first non-member prefix (argmin of a bool row), D when all are members
+    return np.where(member.all(axis=1), D, member.argmin(axis=1)).astype(np.int32)
+
+
+def accept_lengths(rank_paths: np.ndarray, tree: Any, rank_cap: int | None = None) -> np.ndarray:
+    """Accepted draft length at every step index: longest prefix of R[i] that is a node of `tree`.
+
+    rank_paths: int [T, D]. tree: a Tree or an iterable of paths. With `rank_cap` (K) given, tree
+    ranks must be < K and R values <= K (pass it: K in R means "not in the top K", which a tree
+    rank K must not match). Without it, ranks are matched literally.
+    Returns int32 [T]. For many trees over many prompts, `PrefixIndex` computes the keys once.
+    """
+    rp = np.asarray(rank_paths)
+    if rp.ndim != 2:
+        raise ValueError(f"rank_paths must be [T, D], got shape {rp.shape}")
+    D = rp.shape[1]
+    paths = tree_paths(tree)
+    _check_tree_for(paths, D, rank_cap)
+    if rank_cap is not None:
+        K = int(rank_cap)
+        if rp.size and (rp.min() < 0 or rp.max() > K):
+            raise ValueError(f"rank_paths values must lie in 0..{K} (rank_cap), got {rp.min()}..{rp.max()}")
+    else:
+        K = max([int(rp.max()) if rp.size else 0] + [max(p) for p in paths]) + 1
+    base = key_base(K)
+    return _accept_from_keys(prefix_keys(rp, base), paths, base)
+
+
+class PrefixIndex:
+    """The prefix keys of many prompts' rank paths, computed once, to score many trees fast."""
+
+    def __init__(self, rollouts: dict | Sequence[dict], rank_cap: int | None = None) -> None:
+        rolls = as_rollouts(rollouts)
+        self.rank_cap = rank_cap_of(rolls, rank_cap)
+        self.base = key_base(self.rank_cap)
+        self.lengths = [len(r["rank_paths"]) for r in rolls]
+        self.splits = np.cumsum(self.lengths)[:-1]
+        self.depth = rolls[0]["rank_paths"].shape[1]
+        self.keys = prefix_keys(np.concatenate([r["rank_paths"] for r in rolls]), self.base)
+
+    def accept_all(self, tree: Any) -> np.ndarray:
+        """Accepted lengths at every step index of every prompt, concatenated, int32 [sum T]."""
+        paths = tree_paths(tree)
+        _check_tree_for(paths, self.depth, self.rank_cap)
+        return _accept_from_keys(self.keys, paths, self.base)
+
+    def accept(self, tree: Any) -> list[np.ndarray]:
+        """Accepted lengths per prompt."""
+        return np.split(self.accept_all(tree), self.splits)
+
+
+def walk(accept_len: Sequence[int] | np.ndarray, start: int = 0) -> np.ndarray:
+    """Step indices a fixed-tree decode visits: i_0 = start, i_{s+1} = i_s + a(i_s) + 1, while i < T - 1.
+
+    (At i = T - 1 all T tokens are known, so no step runs there; see the module docstring.)
+    """
+    a = np.asarray(accept_len).tolist()
+    T = len(a)
+    out = []
+    i = start
+    while i < T - 1:
+        out.append(i)
+        i += a[i] + 1
+    return np.asarray(out, dtype=np.int64)
+
+
+def step_tokens(accept_len: np.ndarray, visited: np.ndarray) -> np.ndarray:
+    """Tokens emitted by each visited step: min(a + 1, T - 1 - i)."""
+    a = np.asarray(accept_len)
+    T = len(a)
+    return np.minimum(a[visited] + 1, T - 1 - visited)
+
+
+def replay_tokens_per_step(
+    accept_lens: np.ndarray | Sequence[np.ndarray] | dict | Sequence[dict], tree: Any = None, rank_cap: int | None = None
+) -> float:
+    """Tokens per step of a fixed-tree decode, pooled over prompts: sum(T - 1) / sum(steps).
+
+    Either `replay_tokens_per_step(accept_lens)` with one prompt's accepted lengths [T] or a list
+    of them, or `replay_tokens_per_step(rollouts, tree)` with rollout dicts and a tree.
+    """
+    if tree is not None:
+        return replay_tree(accept_lens, tree, rank_cap).tokens_per_step  # type: ignore[arg-type]
+    if isinstance(accept_lens, np.ndarray) and accept_lens.ndim == 1:
+        accept_lens = [accept_lens]
+    steps = tokens = 0
+    for a in accept_lens:
+        if isinstance(a, dict):
+            raise ValueError("replay_tokens_per_step got rollout dicts but no tree: call it as (rollouts, tree)")
+        steps += len(walk(a))
+        tokens += max(len(a) - 1, 0)
+    if steps == 0:
+        raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
+    return tokens / steps
+
+
+@dataclass
+class TreeReplay:
+    steps: int
+    tokens: int  # emitted by steps: sum(T - 1)
+    tokens_per_step: float
+    mean_accept_visited: float  # mean accepted draft length over the visited steps (clip not applied)
+    mean_accept_uniform: float  # mean accepted length over all step indices (the position-uniform objective)
+
+
+def replay_tree(rollouts: dict | Sequence[dict], tree: Any, rank_cap: int | None = None) -> TreeReplay:
+    """Replay a fixed tree over rollouts."""
+    index = PrefixIndex(rollouts, rank_cap)
+    steps = tokens = acc_vis = acc_all = n_all = 0
+    for a in index.accept(tree):
+        v = walk(a)
+        steps += len(v)
+        tokens += max(len(a) - 1, 0)
+        acc_vis += int(a[v].sum())
+        acc_all += int(a.sum())
+        n_all += len(a)
+    if steps == 0:
+        raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
+    return TreeReplay(steps, tokens, tokens / steps, acc_vis / steps, acc_all / max(n_all, 1))
+
+
+# ----------------------------------------------------------------------------- policies over a bank
+
+_NEEDS = {"paper": ("p0", "head_top1"), "p0": ("p0",), "greedy_path": ("p0", "head_top1"), "entropy_ema": ("entropy",)}
+
+
+@dataclass
+class BankReplay:
+    """Accepted lengths of every bank tree at every step index, per prompt, plus the signal inputs as
+    Python lists: build once, replay many policies."""
+
+    accept: list[np.ndarray]  # per prompt [n_trees, T] int32
+    accept_rows: list[list[list[int]]]  # the same as lists (the per-step loop reads these)
+    p0: list[list[float] | None]
+    head_top1: list[list[list[float]] | None]
+    entropy: list[list[float] | None]
+    n_trees: int
+    rank_cap: int
+    _signal_cache: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, rollouts: dict | Sequence[dict], trees: Sequence[Any], rank_cap: int | None = None) -> "BankReplay":
+        rolls = as_rollouts(rollouts)
+        if not trees:
+            raise ValueError("the bank has no trees")
+        index = PrefixIndex(rolls, rank_cap)
+        K = index.rank_cap
+        per_tree = np.stack([index.accept_all(t) for t in trees])  # [n_trees, sum T]
+        accept = np.split(per_tree, index.splits, axis=1)
+
+        def lists(key: str) -> list:
+            return [None if r.get(key) is None else np.asarray(r[key], dtype=np.float64).tolist() for r in rolls]
+
+        greedy, teacher = lists("greedy_top1"), lists("head_top1")
+        heads = [g if g is not None else h for g, h in zip(greedy, teacher)]
+        return cls(accept, [a.tolist() for a in accept], lists("p0"), heads, lists("entropy"), len(trees), K)
+
+    @property
+    def tokens(self) -> int:
+        return sum(max(a.shape[1] - 1, 0) for a in self.accept)
+
+    def signal_values(self, name: str) -> list[np.ndarray]:
+        """Per prompt, a stateless signal's value at every step index, computed by the runtime's own
+        `observe` (so the floats are exactly what a decoder would see). Cached."""
+        if name not in self._signal_cache:
+            sig = make_signal(name)
+            if not sig.stateless:
+                raise ValueError(f"signal {name!r} depends on the decode's history; it has no per-position values")
+            out = []
+            for n, rows in enumerate(self.accept_rows):
+                T = len(rows[0])
+                for key in _NEEDS.get(name, ()):
+                    if getattr(self, key)[n] is None:
+                        raise ValueError(f"signal {name!r} needs '{key}' but rollout {n} has none")
+                p0 = self.p0[n] or [0.0] * T
+                ht = self.head_top1[n] or [()] * T
+                ent = self.entropy[n] or [0.0] * T
+                out.append(np.asarray([sig.observe(p0[i], ht[i], ent[i]) for i in range(T)], dtype=np.float64))
+            self._signal_cache[name] = out
+        return self._signal_cache[name]
+
+
+@dataclass
+class PolicyReplay:
+    steps: int
+    tokens: int
+    tokens_per_step: float
+    choices: list[np.ndarray]  # per prompt: tree index chosen at each step
+    tree_steps: np.ndarray  # [n_trees] how many steps used each tree
+    time_s: float | None = None  # sum of the chosen trees' step costs
+    tokens_per_second: float | None = None
+    visited: list[np.ndarray] = field(default_factory=list)  # per prompt: step indices visited
+
+    def summary(self) -> dict[str, Any]:
+        share = (self.tree_steps / max(self.steps, 1)).round(4).tolist()
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "tokens_per_step": self.tokens_per_step,
+            "time_s": self.time_s,
+            "tokens_per_second": self.tokens_per_second,
+            "tree_share": share,
+        }
+
+
+def _check_costs(step_costs: Sequence[float] | np.ndarray | None, n_trees: int) -> np.ndarray | None:
+    if step_costs is None:
+        return None
+    c = np.asarray(step_costs, dtype=np.float64)
+    if c.shape != (n_trees,) or not np.all(np.isfinite(c)) or np.any(c <= 0):
+        raise ValueError(f"step_costs must be {n_trees} positive finite seconds (one per bank tree), got {step_costs!r}")
+    return c
+
+
+def replay_policy(
+    rollouts: dict | Sequence[dict] | BankReplay,
+    trees: Sequence[Any] | None,
+    policy: Policy | Scheduler | dict,
+    step_costs: Sequence[float] | np.ndarray | None = None,
+    rank_cap: int | None = None,
+    exact_loop: bool = False,
+) -> PolicyReplay:
+    """Replay a per-step tree choice over the bank `trees` (ordered by size).
+
+    At each visited step i the scheduler sees (p0[i], head_top1[i], entropy[i]) exactly as the
+    decoder would, picks tree k, the step accepts a_k(i) drafts, and the scheduler is updated with
+    a_k(i). Pass a prebuilt `BankReplay` (and trees=None) to replay many policies cheaply.
+    exact_loop=True turns the fast paths off (every step through `Scheduler`, as in a decoder);
+    the results are the same, which the tests check.
+    """
+    data = rollouts if isinstance(rollouts, BankReplay) else BankReplay.build(rollouts, trees or [], rank_cap)
+    sched = policy if isinstance(policy, Scheduler) else Scheduler.from_dict(policy) if isinstance(policy, dict) else Scheduler(policy)
+    sched.policy.check_bank(data.n_trees)
+    costs = _check_costs(step_costs, data.n_trees)
+    pol = sched.policy
+    need = _NEEDS.get(pol.signal, ())
+    # Fast paths, same results: a stateless signal is precomputed per position (by the same
+    # `observe`), and a memoryless policy (choose_many, no-op update) is then vectorised.
+    stateless = sched.signal.stateless and not exact_loop
+    vectorised = stateless and hasattr(pol, "choose_many") and type(pol).update is Policy.update
+    signals = data.signal_values(pol.signal) if stateless else None
+    all_choices, all_visited = [], []
+    steps = 0
+    for n, rows in enumerate(data.accept_rows):
+        T = len(rows[0])
+        ch: list[int] = []
+        vis: list[int] = []
+        i = 0
+        if vectorised:
+            choice = pol.choose_many(signals[n])
+            a_pol = data.accept[n][choice, np.arange(T)].tolist()
+            while i < T - 1:
+                vis.append(i)
+                i += a_pol[i] + 1
+            ch = choice[vis].tolist()
+        elif stateless and type(pol) is HysteresisPolicy:
+            # the hysteresis state machine with its two comparisons done per position up front
+            up = (signals[n] > pol.tau_on).tolist()
+            down = (signals[n] <= pol.tau_off).tolist()
+            small, large = pol.small, pol.large
+            row_s, row_l = rows[small], rows[large]
+            cur = large if pol.start == "large" else small
+            while i < T - 1:
+                if cur == small:
+                    if up[i]:
+                        cur = large
+                elif down[i]:
+                    cur = small
+                a = row_s[i] if cur == small else row_l[i]
+                ch.append(cur)
+                vis.append(i)
+                i += a + 1
+        elif stateless:
+            sig = signals[n].tolist()
+            pol.reset()
+            choose, update = pol.choose, pol.update
+            while i < T - 1:
+                k = choose(sig[i])
+                a = rows[k][i]
+                update(a)
+                ch.append(k)
+                vis.append(i)
+                i += a + 1
+        else:
+            for key in need:
+                if getattr(data, key)[n] is None:
+                    raise ValueError(f"signal {pol.signal!r} needs '{key}' but rollout {n} has none")
+            p0 = data.p0[n] or [0.0] * T
+            ht = data.head_top1[n] or [()] * T
+            ent = data.entropy[n] or [0.0] * T
+            sched.reset()
+            choose, update = sched.choose, sched.update
+            while i < T - 1:
+                k = choose(p0[i], ht[i], ent[i])
+                a = rows[k][i]
+                update(a)
+                ch.append(k)
+                vis.append(i)
+                i += a + 1
+        steps += len(ch)
+        all_choices.append(np.asarray(ch, dtype=np.int64))
+        all_visited.append(np.asarray(vis, dtype=np.int64))
+    if steps == 0:
+        raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
+    tokens = data.tokens
+    tree_steps = np.bincount(np.concatenate(all_choices), minlength=data.n_trees)
+    out = PolicyReplay(steps, tokens, tokens / steps, all_choices, tree_steps, visited=all_visited)
+    if costs is not None:
+        out.time_s = float(tree_steps @ costs)
+        out.tokens_per_second = tokens / out.time_s
+    return out
+
+
+# ----------------------------------------------------------------------------- oracle
+
+
+def oracle_schedule(accept_lens: np.ndarray, step_costs: Sequence[float] | np.ndarray) -> tuple[float, np.ndarray]:
+    """Best per-step tree choice in hindsight for one prompt.
+
+    accept_lens: int [n_trees, T]; step_costs: [n_trees] seconds. Dynamic program from the end:
+    best[i] = min_k cost_k + best[min(i + a_k(i) + 1, T - 1)], best[T - 1] = 0 (nothing left).
+    Returns (best[0] = the least total step time to emit y_2..y_T, the tree chosen at each step of
+    the optimal decode; its length is the number of steps). Ties go to the smaller tree. No policy
+    over the same bank takes less time, so its tokens per second is an upper bound for any policy
+    (its tokens per step is not: the largest tree alone may accept more per step).
+    """
+    a = np.asarray(accept_lens)
+    if a.ndim != 2:
+        raise ValueError(f"accept_lens must be [n_trees, T], got shape {a.shape}")
+    n_trees, T = a.shape
+    costs = _check_costs(step_costs, n_trees)
+    if T <= 1:
+        return 0.0, np.zeros(0, dtype=np.int64)
+    best = [0.0] * T
+    arg = [0] * T
+    nxt = np.minimum(np.arange(T)[None, :] + a + 1, T - 1).T.tolist()  # [T][n_trees]
+    cl = costs.tolist()
+    ks = range(1, n_trees)
+    for i in range(T - 2, -1, -1):
+        row = nxt[i]
+        k_best = 0
+        t_best = cl[0] + best[row[0]]
+        for k in ks:
+            t = cl[k] + best[row[k]]
+            if t < t_best:
+                k_best, t_best = k, t
+        best[i] = t_best
+        arg[i] = k_best
+    steps = []
+    i = 0
+    while i < T - 1:
+        k = arg[i]
+        steps.append(k)
+        i = nxt[i][k]
+    return best[0], np.asarray(steps, dtype=np.int64)
+
+
+@dataclass
+class OracleReplay:
+    steps: int
+    tokens: int
+    tokens_per_step: float
+    time_s: float
+    tokens_per_second: float
+    tree_steps: np.ndarray
+    choices: list[np.ndarray]  # per prompt: tree chosen at each step of the optimal walk
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "tokens_per_step": self.tokens_per_step,
+            "time_s": self.time_s,
+            "tokens_per_second": self.tokens_per_second,
+            "tree_share": (self.tree_steps / max(self.steps, 1)).round(4).tolist(),
+        }
+
+
+def oracle_replay(
+    rollouts: dict | Sequence[dict] | BankReplay,
+    trees: Sequence[Any] | None,
+    step_costs: Sequence[float] | np.ndarray,
+    rank_cap: int | None = None,
+) -> OracleReplay:
+    """The oracle schedule on every prompt, pooled: the tokens-per-second ceiling of the bank."""
+    data = rollouts if isinstance(rollouts, BankReplay) else BankReplay.build(rollouts, trees or [], rank_cap)
+    costs = _check_costs(step_costs, data.n_trees)
+    total = 0.0
+    steps = 0
+    all_choices = []
+    for acc in data.accept:
+        t, choice = oracle_schedule(acc, costs)
+        total += t
+        steps += len(choice)
+        all_choices.append(choice)
+    if steps == 0:
+        raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
+    tokens = data.tokens
+    tree_steps = np.bincount(np.concatenate(all_choices), minlength=data.n_trees)
+    return OracleReplay(steps, tokens, tokens / steps, total, tokens / total, tree_steps, all_choices)

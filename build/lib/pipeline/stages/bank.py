@@ -1,0 +1,75 @@
+"""bank: the TopologyBank — the throughput hull of the timed trees (plus the trees the per-step
+oracle uses, `bank.members`), fitted policies, the oracle bound and plots."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.artifacts import read_json, run_stage
+from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
+from pipeline.loaders import runtime_key
+from pipeline.paths import Layout
+from pipeline.stages import grow as grow_stage
+from pipeline.stages import heads as heads_stage
+from pipeline.stages import merge as merge_stage
+from pipeline.stages import model as model_stage
+from pipeline.stages import recalibrate as recalibrate_stage
+from pipeline.stages import time as time_stage
+from pipeline.stages.rollout import calib_rows
+from pipeline.stages.prepare import rows_hash
+
+log = logging.getLogger(__name__)
+
+READS = ("bank",)
+
+
+def policy_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The policy group without its unset (null) entries: the fitter applies its own defaults."""
+    return {k: v for k, v in plain(cfg.policy).items() if v is not None}
+
+
+@once_per_config
+def output(cfg: DictConfig) -> Path:
+    lay = Layout.from_cfg(cfg)
+    time_dir, recal_dir = time_stage.output(cfg), recalibrate_stage.output(cfg)
+    grow_dir, rollout_dir = grow_stage.output(cfg), merge_stage.output(cfg)
+    model_dir, heads_dir = model_stage.output(cfg), heads_stage.output(cfg)
+    key = {**runtime_key(cfg), **config_key(cfg, READS), "policy": policy_settings(cfg),
+           "time": output_digest(time_dir), "recalibrate": output_digest(recal_dir), "grow": output_digest(grow_dir),
+           "rollout": output_digest(rollout_dir)}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        from pipeline.bank import build_bank  # matplotlib: only when the bank is (re)built
+
+        rk = runtime_key(cfg)
+        return build_bank(
+            tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
+            frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=policy_settings(cfg),
+            members=str(cfg.bank.members), min_oracle_share=float(cfg.bank.min_oracle_share),
+            provenance={
+                "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
+                "sampling": plain(cfg.sampling),
+                # how its trees were recalibrated and timed (runtime.api.EntMTP.load decodes with it by default)
+                "acceptance": plain(cfg.acceptance),
+                "model_fingerprint": rk["model"], "heads_fingerprint": rk["heads"],
+                # relative to the bank folder, so a moved checkout still finds its weights
+                "model_dir": os.path.relpath(model_dir.resolve(), lay.bank_dir.resolve()),
+                "heads_dir": os.path.relpath(Path(heads_dir).resolve(), lay.bank_dir.resolve()),
+                "calib_hash": rows_hash(calib_rows(cfg)), "dtype": rk["dtype"],
+                # the arithmetic its figures were measured in (runtime.api.EntMTP.load uses it by default)
+                "lossless": str(cfg.lossless), "invariant_rows": rk.get("invariant_rows"),
+                "machine": read_json(time_dir / "timing.json")["machine"], "config": plain(cfg),
+            },
+        )
+
+    out = run_stage("bank", lay.bank_dir, key, build, force=forced(cfg, "bank"))
+    if cfg.stage == "bank":
+        from runtime.bank import TopologyBank
+
+        log.info("%s", TopologyBank.load(out).summary())
+    return out

@@ -1,0 +1,92 @@
+"""time: a measured step-cost model of this machine (`pipeline.step_cost`), every candidate tree's
+modeled step cost and the end-to-end tok/s it implies, checked against timed decodes of the trees
+that can pay for their cost (`time.prune` skips the others).
+
+Tokens/step come from the exact replay under exact acceptance; under typical acceptance, which
+the replay does not model, from recalibrate's real decoding with it (so time then runs after
+recalibrate), and the timed decodes use typical acceptance too."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.artifacts import atomic_write_json, machine_info, read_json, run_stage
+from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
+from pipeline.loaders import resolve_dtype, runtime_key, sampler_from_cfg, tree_decoder
+from pipeline.paths import Layout
+from pipeline.stages import grow as grow_stage
+from pipeline.stages import recalibrate as recalibrate_stage
+from pipeline.stages.prepare import rows_hash, split_rows
+
+READS = ("time", "profile.timing_prompts", "profile.max_new_tokens", "sampling", "acceptance", *grow_stage.CANDIDATES)
+
+
+@once_per_config
+def output(cfg: DictConfig) -> Path:
+    from pipeline.step_cost import cost_contexts, measure_step_cost, step_clock, tree_entries
+    from pipeline.timing import e2e_tokens_per_second, prune_by_cost, time_head_chain, time_trees
+    from runtime.decoder import HEAD_SIGNALS
+    from runtime.tree import Tree
+    from tqdm.auto import tqdm
+
+    cands = grow_stage.candidate_trees(cfg)
+    rows = split_rows(cfg, "calib", int(cfg.profile.timing_prompts))
+    key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(rows),
+           "grow": output_digest(grow_stage.output(cfg)),
+           "machine": {k: v for k, v in machine_info().items() if k != "torch_threads"}}
+    exact = cfg.acceptance.kind == "exact"
+    if not exact:
+        recal_dir = recalibrate_stage.output(cfg)
+        key["recalibrate"] = output_digest(recal_dir)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        tc = cfg.time
+        if exact:
+            per_tree_tps = [c["replay_tokens_per_step"] for c in cands]
+        else:
+            real = {Tree(r["paths"]): r["real_tokens_per_step"] for r in read_json(recal_dir / "recalibrate.json")["trees"]}
+            per_tree_tps = [real[c["tree"]] for c in cands]
+        n_new = int(cfg.profile.max_new_tokens)
+        dec = tree_decoder(cfg, [c["tree"] for c in cands])
+        sampler = sampler_from_cfg(cfg)
+        prompt_len = statistics.median(len(r["input_ids"]) for r in rows)
+        contexts, ref_ctx, check_ctx = cost_contexts(prompt_len, n_new, int(tc.new_tokens))
+        bar = tqdm(total=1, desc="step-cost model", unit="probe")
+
+        def progress(done: int, total: int) -> None:
+            bar.total, bar.n = total, done
+            bar.refresh()
+
+        model = measure_step_cost(dec, rows[0]["input_ids"], [c["tree"].num_nodes for c in cands], contexts,
+                                  repeats=int(tc.cost_repeats), fixed_tokens=int(tc.cost_tokens), sampler=sampler,
+                                  dtype=resolve_dtype(cfg), machine=machine_info(), progress=progress,
+                                  clock_kind=str(tc.clock))
+        bar.close()
+        model.save(tmp / "step_cost.json")
+        modeled = [model.predict(c["tree"], ref_ctx) for c in cands]
+        skip = prune_by_cost(per_tree_tps, [m["step_ms"] / 1000 for m in modeled], float(tc.prune_margin)) if tc.prune else {}
+        t = time_trees(dec, rows, rounds=int(tc.rounds), new_tokens=int(tc.new_tokens), skip=skip, sampler=sampler,
+                       now=step_clock(str(tc.clock), dec.model.device))
+        trees = tree_entries(cands, per_tree_tps, modeled, t, model, check_ctx,
+                             lambda tps, step_s: e2e_tokens_per_second(tps, step_s, t["prefill_s"], n_new))
+        ar_tok_s = e2e_tokens_per_second(1.0, t["ar_token_s"], t["prefill_s"], n_new)
+        chain_ms = 1000 * time_head_chain(dec, rows[0])
+        errors = [abs(e["model_error_pct"]) for e in trees if "model_error_pct" in e]
+        atomic_write_json(tmp / "timing.json", {
+            "trees": trees, "ar_token_ms": 1000 * t["ar_token_s"], "ar_tok_per_s": ar_tok_s,
+            "signal_ms": {name: chain_ms for name in HEAD_SIGNALS},
+            "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
+            "cost_model": {"file": "step_cost.json", "clock": str(tc.clock), "reference_context": ref_ctx,
+                           "check_context": check_ctx,
+                           "max_abs_error_pct": max(errors) if errors else None},
+            "machine": machine_info(), "dtype": resolve_dtype(cfg),
+            "tokens_per_step_from": "replay" if exact else "recalibrate", "acceptance": plain(cfg.acceptance)})
+        best = max((x for x in trees if "pruned" not in x), key=lambda x: x["tok_per_s"])
+        return {"best_nodes": best["nodes"], "best_tok_per_s": best["tok_per_s"], "ar_tok_per_s": ar_tok_s,
+                "pruned": len(t["pruned"]), "max_abs_model_error_pct": max(errors) if errors else None}
+
+    return run_stage("time", Layout.from_cfg(cfg).decode_work / "time", key, build, force=forced(cfg, "time"))

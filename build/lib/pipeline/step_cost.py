@@ -1,0 +1,410 @@
+"""A measured step-cost model: what one tree-decoding step costs on this machine, for any tree.
+
+A step is draft + verify + fixed (see runtime/decoder.py):
+
+* draft: the heads' `propose`. Hydra drafts level by level, each level one batch over the
+  distinct parents one level up, so its cost is a sum over depth levels of a function of that
+  level's width (rows). Medusa runs every head once from the context vector: one product whose
+  cost depends on the depth only.
+* verify: one base-model forward with N new rows (the tree's nodes) at context length L, read
+  from a measured grid of N and L by piecewise-linear interpolation (linear extrapolation past
+  its ends).
+* fixed: the rest of the step (accept, KV-cache compaction, the heads' observation of the
+  accepted positions, the host transfer, Python), measured inside real decodes as the step time
+  minus its draft and verify calls, and fitted as a + b * depth + c * nodes.
+
+Every figure is a median over many short repeats, with all probes of a round interleaved so that
+the load of a shared machine hits them alike. The model is what the time stage, pruning, bank
+selection and policy fitting use, so every candidate tree has a cost without decoding it; timed
+decodes of a few trees check it (`check_errors`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.artifacts import atomic_write_json
+from runtime.decoder import TreeDecoder
+from runtime.device import clock
+from runtime.heads import DraftHeads
+from runtime.model import Transformer
+from runtime.sampling import Sampler
+from runtime.tree import Tree, TreeBuffers
+
+log = logging.getLogger(__name__)
+
+SCHEMA = 1
+DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
+FIXED_WIDTH = 8                   # chains of the wide probe that separates a node cost from a depth cost
+PROBE_WARMUP_STEPS = 2            # first steps of every probe decode are not used (allocator, caches)
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation of ys over increasing xs, extrapolated linearly past both
+    ends (from the nearest segment) and constant for a single point."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def level_widths(tree: Tree) -> list[int]:
+    """Rows of each Hydra drafting level d = 1..depth: the distinct depth-(d-1) nodes with children."""
+    return [len({p[:-1] for p in tree.paths if len(p) == d}) for d in range(1, tree.depth + 1)]
+
+
+def chains_tree(width: int, depth: int) -> Tree:
+    """`width` disjoint chains of length `depth` under the root: every Hydra level below the first
+    has exactly `width` rows (the first always has one, the root)."""
+    return Tree([tuple([c] + [0] * (d - 1)) for c in range(width) for d in range(1, depth + 1)]) if depth else Tree([])
+
+
+@dataclass
+class StepCostModel:
+    """Step cost (milliseconds) of any tree on one machine, model, heads, dtype and thread count."""
+
+    kind: str                            # heads kind: "hydra" (per-level drafting) or "medusa" (one product)
+    num_heads: int
+    verify_rows: list[int]               # grid of new rows N (increasing)
+    verify_contexts: list[int]           # grid of context lengths L (increasing)
+    verify_ms: list[list[float]]         # [L index][N index]: median forward ms
+    draft_widths: list[int]              # Hydra: grid of level widths; Medusa: [1]
+    # draft_ms[D][w]: median `propose` ms of chains_tree(width w, depth D), D = 0..num_heads (Medusa:
+    # the chain of depth D, one column). A Hydra level d >= 2 of width w costs draft_ms[d][w] - draft_ms[d-1][w].
+    draft_ms: list[list[float]]
+    fixed_coef: list[float]              # fixed ms = a + b * depth + c * nodes
+    fixed_points: list[dict[str, float]] = field(default_factory=list)  # the probe medians the fit came from
+    repeats: int = 0
+    clock: str = "wall"                  # what the figures count (`step_clock`)
+    dtype: str = ""
+    threads: int = 0
+    machine: dict[str, Any] = field(default_factory=dict)
+    schema: int = SCHEMA
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse a model whose tables do not fit together (a damaged or hand-edited file)."""
+        what = "step-cost model"
+        if self.schema != SCHEMA:
+            raise ValueError(f"{what}: schema {self.schema}, this code reads {SCHEMA}; rebuild the time stage (force=true)")
+        if self.kind not in ("hydra", "medusa"):
+            raise ValueError(f"{what}: kind must be 'hydra' or 'medusa', got {self.kind!r}")
+        for name, grid in (("verify_rows", self.verify_rows), ("verify_contexts", self.verify_contexts),
+                           ("draft_widths", self.draft_widths)):
+            if not grid or any(b <= a for a, b in zip(grid, grid[1:])):
+                raise ValueError(f"{what}: {name} must be a non-empty increasing grid, got {grid}")
+        if len(self.verify_ms) != len(self.verify_contexts) or any(len(r) != len(self.verify_rows) for r in self.verify_ms):
+            raise ValueError(f"{what}: verify_ms must be [{len(self.verify_contexts)} contexts][{len(self.verify_rows)} rows]")
+        if len(self.draft_ms) != self.num_heads + 1 or any(len(r) != len(self.draft_widths) for r in self.draft_ms):
+            raise ValueError(f"{what}: draft_ms must be [{self.num_heads + 1} depths][{len(self.draft_widths)} widths]")
+        if len(self.fixed_coef) != 3:
+            raise ValueError(f"{what}: fixed_coef must be [a, b, c] (a + b * depth + c * nodes), got {self.fixed_coef}")
+        values = [v for r in self.verify_ms + self.draft_ms for v in r] + list(self.fixed_coef)
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+            raise ValueError(f"{what}: every timing must be a finite number")
+
+    # -- components ----------------------------------------------------------------------------
+
+    def verify(self, rows: int, context: float) -> float:
+        """ms of one forward with `rows` new tokens after `context` committed positions."""
+        per_context = [_interp(self.verify_rows, r, rows) for r in self.verify_ms]
+        return _interp(self.verify_contexts, per_context, context)
+
+    def _draft_table(self, depth: int, width: int) -> float:
+        return _interp(self.draft_widths, self.draft_ms[depth], width)
+
+    def draft(self, tree: Tree) -> float:
+        """ms of the heads' `propose` for `tree`."""
+        if tree.depth > self.num_heads:
+            raise ValueError(f"a tree of depth {tree.depth}: the heads draft only {self.num_heads} levels")
+        if self.kind == "medusa" or tree.depth == 0:
+            return self._draft_table(tree.depth, 1)
+        widths = level_widths(tree)
+        total = self._draft_table(1, 1)  # level 1 has one row (the root); includes propose's prologue
+        for d in range(2, tree.depth + 1):
+            total += self._draft_table(d, widths[d - 1]) - self._draft_table(d - 1, widths[d - 1])
+        return total
+
+    def fixed(self, depth: int, nodes: int) -> float:
+        a, b, c = self.fixed_coef
+        return a + b * depth + c * nodes
+
+    def predict(self, tree: Tree, context: float) -> dict[str, float]:
+        """{draft_ms, verify_ms, fixed_ms, step_ms} of one step with `tree` at context length `context`."""
+        parts = {"draft_ms": self.draft(tree), "verify_ms": self.verify(tree.num_nodes, context),
+                 "fixed_ms": self.fixed(tree.depth, tree.num_nodes)}
+        return {**parts, "step_ms": sum(parts.values())}
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepCostModel:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"step-cost model: unknown fields {sorted(unknown)}; rebuild the time stage (force=true)")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_json(Path(path), self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the step-cost model {path}: {e}; rebuild the time stage (force=true)") from e
+        return cls.from_dict(d)
+
+
+def fit_fixed(points: Sequence[tuple[int, int, float]]) -> list[float]:
+    """Least-squares [a, b, c] of fixed_ms = a + b * depth + c * nodes over (depth, nodes, ms) points.
+    Components the points cannot tell apart (e.g. only chains, where nodes = depth + 1) are dropped
+    from the fit (set to 0) rather than given arbitrary opposite values."""
+    if not points:
+        raise ValueError("fit_fixed needs at least one (depth, nodes, ms) point")
+    x = np.array([[1.0, d, n] for d, n, _ in points])
+    y = np.array([ms for _, _, ms in points])
+    cols = [0]
+    for j in (1, 2):  # keep a column only if it adds rank
+        if np.linalg.matrix_rank(x[:, cols + [j]]) > len(cols):
+            cols.append(j)
+    coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+    out = [0.0, 0.0, 0.0]
+    for j, v in zip(cols, coef):
+        out[j] = float(v)
+    return out
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+class _StepParts:
+    """Times, inside real decodes, each step and its `propose` (draft) and base-model forward
+    (verify) calls. Wrappers are instance attributes over the bound methods, removed by `close`;
+    the prefill's forward falls before the first mark."""
+
+    def __init__(self, model: Transformer, heads: DraftHeads, now: Callable[[], float]) -> None:
+        self.model, self.heads, self.now = model, heads, now
+        self.spent = {"draft": 0.0, "verify": 0.0}
+        self.marks: list[tuple[float, float, float]] = []
+        heads.propose = self._timed(heads.propose, "draft")
+        model.forward = self._timed(model.forward, "verify")
+
+    def _timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = self.now()
+            out = fn(*args, **kwargs)
+            self.spent[key] += self.now() - t0
+            return out
+        return run
+
+    def mark(self, _tokens: list[int]) -> None:
+        """The decoder's stream callback: called after the prefill and after every step."""
+        self.marks.append((self.now(), self.spent["draft"], self.spent["verify"]))
+
+    def rest(self) -> list[float]:
+        """Seconds of every step spent outside draft and verify."""
+        return [(b[0] - a[0]) - (b[1] - a[1]) - (b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
+
+    def close(self) -> None:
+        del self.heads.propose, self.model.forward
+
+
+CLOCKS = ("wall", "cpu")
+
+
+def step_clock(kind: str, device: torch.device) -> Callable[[], float]:
+    """The clock of timed regions. "wall": seconds after a device synchronisation (what a user
+    waits on an idle machine). "cpu": this thread's CPU seconds, which other processes' load does
+    not inflate; it counts the work of one thread only, so use it with one torch thread on a CPU."""
+    if kind == "wall":
+        return lambda: clock(device)
+    if kind == "cpu":
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"clock 'cpu' times work on the CPU only; the model is on {device}: use 'wall'")
+        if torch.get_num_threads() != 1:
+            raise ValueError(f"clock 'cpu' counts one thread's work, but torch runs {torch.get_num_threads()} threads: "
+                             "set threads=1 or use the wall clock")
+        return time.thread_time
+    raise ValueError(f"clock must be one of {CLOCKS}, got {kind!r}")
+
+
+def _fill_cache(model: Transformer, length: int, gen: torch.Generator) -> None:
+    """Make the committed cache exactly `length` positions (random tokens appended as needed)."""
+    if model.cache_len > length:
+        model.truncate_cache(length)
+    while model.cache_len < length:
+        start = model.cache_len
+        n = min(256, length - start)  # chunks bound the activation memory
+        ids = torch.randint(0, model.args.vocab_size, (1, n), generator=gen).to(model.device)
+        model(ids, torch.arange(start, start + n, device=model.device), last_only=True)
+
+
+def _context_vector(model: Transformer, heads: DraftHeads, prompt: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """The heads' context vector after `prompt` and the base model's next token (the draft's inputs)."""
+    model.reset_cache()
+    heads.reset()
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
+    pos = torch.arange(ids.shape[1], device=model.device)
+    logits, hidden = model(ids, pos, last_only=True)
+    h = heads.observe(hidden, pos)
+    return h, int(logits[0, -1].argmax())
+
+
+@torch.inference_mode()
+def measure_step_cost(
+    decoder: TreeDecoder, prompt: Sequence[int], verify_rows: Sequence[int], verify_contexts: Sequence[int],
+    repeats: int = 7, fixed_tokens: int = 12, sampler: Sampler | None = None, dtype: str = "",
+    machine: dict[str, Any] | None = None, progress: Callable[[int, int], None] | None = None,
+    clock_kind: str = "wall",
+) -> StepCostModel:
+    """Measure a `StepCostModel` for the decoder's model and heads (wall clock, medians over `repeats`
+    interleaved rounds). `prompt` is a real prompt (the draft and fixed probes decode from it).
+
+    Each round runs, in this order: the fixed probes (one decode of `fixed_tokens` new tokens with
+    each of: chains of depth 0, 1 and max, `FIXED_WIDTH` chains of depth 1 and of depth max), the
+    verify grid (contexts in increasing order, the cache filled with random tokens and truncated
+    back after each forward) and the draft probes (`propose` of every chains_tree).
+    `clock_kind`: see `step_clock`."""
+    model, heads = decoder.model, decoder.heads
+    dev = model.device
+    n_heads = heads.config.num_heads
+    kind = heads.config.kind
+    rows = sorted({int(n) for n in verify_rows if n >= 1} | {1})
+    contexts = sorted({int(c) for c in verify_contexts if c >= 0})
+    if not contexts:
+        raise ValueError("measure_step_cost needs at least one context length")
+    if max(contexts) + max(rows) > model.max_seq_len:
+        raise ValueError(f"context {max(contexts)} + {max(rows)} rows exceed the KV cache ({model.max_seq_len} positions); "
+                         "load the model with a larger max_seq_len or measure shorter contexts")
+    widths = list(DRAFT_WIDTHS) if kind == "hydra" else [1]
+    draft_trees = {(d, w): TreeBuffers.compile(chains_tree(w, d)).to(dev) for d in range(n_heads + 1) for w in widths}
+    probe_trees = [chains_tree(1, 0), chains_tree(1, 1), chains_tree(1, n_heads), chains_tree(FIXED_WIDTH, 1),
+                   chains_tree(FIXED_WIDTH, n_heads)]
+    probe = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in probe_trees], acceptance=decoder.acceptance)
+    gen = torch.Generator().manual_seed(0)
+    verify_s: dict[tuple[int, int], list[float]] = {(c, n): [] for c in contexts for n in rows}
+    draft_s: dict[tuple[int, int], list[float]] = {k: [] for k in draft_trees}
+    rest_s: list[list[float]] = [[] for _ in probe_trees]
+    now = step_clock(clock_kind, dev)
+
+    def verify_once(ctx: int, n: int) -> float:
+        ids = torch.randint(0, model.args.vocab_size, (1, n), generator=gen).to(dev)
+        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        pos = torch.arange(ctx, ctx + n, device=dev)
+        t0 = now()
+        model(ids, pos, mask, check_mask=False)
+        t = now() - t0
+        model.truncate_cache(ctx)
+        return t
+
+    # warm-up: every probe decode once, every verify size once, every draft tree once
+    for k in range(len(probe_trees)):
+        probe.generate(prompt, 6, choose=k, eos_ids=(), sampler=sampler)
+    _fill_cache(model, contexts[0], gen)
+    for n in rows:
+        verify_once(contexts[0], n)
+    h, root = _context_vector(model, heads, prompt)
+    for buf in draft_trees.values():
+        heads.propose(h, root, buf)
+    total = repeats * (len(probe_trees) + len(verify_s) + len(draft_s))
+    done = 0
+    for _ in range(repeats):
+        for k in range(len(probe_trees)):
+            parts = _StepParts(model, heads, now)
+            try:
+                probe.generate(prompt, fixed_tokens, choose=k, eos_ids=(), stream=parts.mark, sampler=sampler)
+            finally:
+                parts.close()
+            rest = parts.rest()
+            rest_s[k].extend(rest[PROBE_WARMUP_STEPS:] or rest)
+            done += 1
+        model.reset_cache()
+        for ctx in contexts:
+            _fill_cache(model, ctx, gen)
+            for n in rows:
+                verify_s[(ctx, n)].append(verify_once(ctx, n))
+                done += 1
+        h, root = _context_vector(model, heads, prompt)
+        for key, buf in draft_trees.items():
+            t0 = now()
+            heads.propose(h, root, buf)
+            draft_s[key].append(now() - t0)
+            done += 1
+        if progress:
+            progress(done, total)
+    model.reset_cache()
+    heads.reset()
+    fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * statistics.median(r)}
+                    for t, r in zip(probe_trees, rest_s)]
+    return StepCostModel(
+        kind=kind, num_heads=n_heads, verify_rows=rows, verify_contexts=contexts,
+        verify_ms=[[1e3 * statistics.median(verify_s[(c, n)]) for n in rows] for c in contexts],
+        draft_widths=widths,
+        draft_ms=[[1e3 * statistics.median(draft_s[(d, w)]) for w in widths] for d in range(n_heads + 1)],
+        fixed_coef=fit_fixed([(p["depth"], p["nodes"], p["ms"]) for p in fixed_points]),
+        fixed_points=fixed_points, repeats=repeats, dtype=dtype, threads=torch.get_num_threads(),
+        machine=dict(machine or {}), clock=clock_kind,
+    )
+
+
+def error_pct(predicted_ms: float, measured_ms: float) -> float:
+    """Signed error of a prediction in percent of the measured figure."""
+    return 100.0 * (predicted_ms - measured_ms) / measured_ms
+
+
+def cost_contexts(prompt_tokens: float, max_new_tokens: int, check_tokens: int) -> tuple[list[int], int, int]:
+    """(grid of measured contexts, the reference context of the bank's costs, the context of the
+    check decodes). The reference is the mean context of a `max_new_tokens` generation after a
+    median prompt; the grid spans the prompt to the end of that generation."""
+    p = int(round(prompt_tokens))
+    ref, check = p + max_new_tokens // 2, p + check_tokens // 2
+    return sorted({p, ref, p + max_new_tokens}), ref, check
+
+
+def tree_entries(cands: list[dict], tokens_per_step: Sequence[float], modeled: Sequence[dict[str, float]],
+                 timed: dict[str, Any], model: StepCostModel, check_context: int,
+                 tok_per_s: Callable[[float, float], float]) -> list[dict[str, Any]]:
+    """timing.json's per-tree entries: the modeled cost and its draft / verify / fixed parts, the
+    tok/s they imply (`tok_per_s(tokens_per_step, step_seconds)`), and for every tree that
+    `time_trees` decoded (`timed`) the measured step, the model's figure at the context of those
+    decodes and its error. Each checked tree is logged."""
+    trees = []
+    for k, (c, m, measured) in enumerate(zip(cands, modeled, timed["step_s"])):
+        tree = c["tree"]
+        entry: dict[str, Any] = {
+            "paths": [list(p) for p in tree.paths], "nodes": tree.num_nodes, "depth": tree.depth,
+            "tokens_per_step": tokens_per_step[k], "step_ms": m["step_ms"],
+            "cost_ms": {part: m[f"{part}_ms"] for part in ("draft", "verify", "fixed")},
+            "tok_per_s": tok_per_s(tokens_per_step[k], m["step_ms"] / 1000),
+        }
+        if k in timed["pruned"]:
+            entry["pruned"] = timed["pruned"][k]
+        else:
+            at_check = model.predict(tree, check_context)["step_ms"]
+            entry.update({"measured_step_ms": 1000 * measured, "modeled_step_ms_at_check": at_check,
+                          "model_error_pct": error_pct(at_check, 1000 * measured)})
+            log.info("[time] %2d nodes depth %d: modeled %.1f ms (draft %.1f, verify %.1f, fixed %.1f), timed decode "
+                     "%.1f ms, error %+.1f%%", entry["nodes"], entry["depth"], at_check, *entry["cost_ms"].values(),
+                     entry["measured_step_ms"], entry["model_error_pct"])
+        trees.append(entry)
+    return trees

@@ -1,0 +1,137 @@
+"""Time stage helpers: timed decodes of candidate trees, pruning by modeled cost, the throughput hull.
+
+The step cost the bank uses comes from `pipeline.step_cost` (a model measured from many short
+repeats); the timed decodes here (draft + verify + accept, warmed up, trees interleaved round by
+round so that drift of a shared machine hits all alike) check it. End-to-end throughput per tree
+combines a step cost with the tree's tokens per step on the whole calibration split (exact
+replay) and the measured prefill time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from runtime.decoder import TreeDecoder, greedy_chain_top1
+from runtime.device import clock
+from runtime.generate import ar_generate
+from runtime.sampling import Sampler
+
+
+def time_trees(
+    decoder: TreeDecoder, rows: list[dict], rounds: int = 2, new_tokens: int = 24, warmup_steps: int = 2,
+    skip: dict[int, str] | None = None, sampler: Sampler | None = None, now: Callable[[], float] | None = None,
+) -> dict[str, Any]:
+    """Median step latency (s) per tree from real decodes, median AR per-token latency and prefill time.
+
+    Trees in `skip` (index -> why) are not decoded: they get a NaN latency and are listed in
+    "pruned". Rounds interleave the trees so that the drift of a shared machine hits all alike.
+    `now` is the clock (default: wall clock after a device synchronisation); a step lasts from one
+    emitted batch of tokens to the next, the prefill from the call to the first token."""
+    n = len(decoder.trees)
+    dev = decoder.model.device
+    now = now or (lambda: clock(dev))
+    pruned = dict(skip or {})
+    if any(not 0 <= k < n for k in pruned):
+        raise ValueError(f"skip lists tree indices outside [0, {n})")
+    if len(pruned) == n:
+        raise ValueError("every tree is skipped: nothing to time")
+    step_s: list[list[float]] = [[] for _ in range(n)]
+    ar_s: list[float] = []
+    prefill_s: list[float] = []
+    prompt_tokens: list[int] = []
+    # warm-up: one short decode and one AR run (allocator, kernels, caches)
+    decoder.generate(rows[0]["input_ids"], 8, choose=min(set(range(n)) - set(pruned)), sampler=sampler)
+    ar_generate(decoder.model, rows[0]["input_ids"], 4, sampler=sampler)
+    timed = [k for k in range(n) if k not in pruned]
+    bar = tqdm(total=rounds * len(rows) * (len(timed) + 1), desc="time", unit="run")
+    for _ in range(rounds):
+        for row in rows:
+            t0 = now()
+            out = ar_generate(decoder.model, row["input_ids"], new_tokens // 2, sampler=sampler)
+            ar_total = now() - t0
+            bar.update()
+            for k in timed:
+                marks = [now()]
+                decoder.generate(row["input_ids"], new_tokens, choose=k, sampler=sampler,
+                                 stream=lambda _tokens: marks.append(now()))
+                steps = [b - a for a, b in zip(marks[1:], marks[2:])]
+                step_s[k].extend(steps[warmup_steps:] or steps)
+                prefill_s.append(marks[1] - marks[0])
+                prompt_tokens.append(len(row["input_ids"]))
+                bar.update()
+            # AR per-token latency: total minus this prompt's prefill, over the decoded tokens
+            pre = statistics.median(prefill_s[-len(timed):])
+            if len(out) > 1:
+                ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
+    bar.close()
+    return {
+        "step_s": [statistics.median(s) if s else float("nan") for s in step_s],
+        "ar_token_s": statistics.median(ar_s) if ar_s else float("nan"),
+        "prefill_s": statistics.median(prefill_s),
+        "prompt_tokens": statistics.median(prompt_tokens),
+        "pruned": pruned,
+    }
+
+
+def prune_by_cost(tokens_per_step: list[float], step_s: list[float], margin: float = 0.15) -> dict[int, str]:
+    """Trees (index -> why) that cannot pay for their modeled cost: even `margin` cheaper than
+    modeled, their tokens per second stay below the best of the trees before them (trees come
+    ordered by size). Only a tree faster than every smaller one can join the throughput hull;
+    the margin leaves room for the model's error."""
+    if len(tokens_per_step) != len(step_s):
+        raise ValueError(f"{len(tokens_per_step)} tokens/step figures for {len(step_s)} step costs")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must lie in [0, 1), got {margin}")
+    pruned: dict[int, str] = {}
+    best = 0.0
+    for k, (tps, s) in enumerate(zip(tokens_per_step, step_s)):
+        rate = tps / s
+        if tps / ((1 - margin) * s) < best:
+            pruned[k] = (f"{tps:.3f} tokens/step at {1e3 * s:.1f} ms/step (modeled) cannot beat {best:.2f} tok/s "
+                         f"even {100 * margin:.0f}% cheaper")
+        best = max(best, rate)
+    return pruned
+
+
+@torch.inference_mode()
+def time_head_chain(decoder: TreeDecoder, row: dict, repeats: int = 10) -> float:
+    """Median seconds of one `greedy_chain_top1` call (the per-step extra of the signals that read
+    the heads, `runtime.decoder.HEAD_SIGNALS`), from the context vector after the prompt of `row`."""
+    model, heads = decoder.model, decoder.heads
+    model.reset_cache()
+    heads.reset()
+    ids = torch.tensor([row["input_ids"]], dtype=torch.long, device=model.device)
+    pos = torch.arange(ids.shape[1], device=model.device)
+    logits, hidden = model(ids, pos, last_only=True)
+    h = heads.observe(hidden, pos)
+    root = int(logits[0, -1].argmax())
+    greedy_chain_top1(heads, h, root)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = clock(model.device)
+        greedy_chain_top1(heads, h, root)
+        times.append(clock(model.device) - t0)
+    model.reset_cache()
+    heads.reset()
+    return statistics.median(times)
+
+
+def e2e_tokens_per_second(tokens_per_step: float, step_s: float, prefill_s: float, new_tokens: int) -> float:
+    """Output tok/s of a `new_tokens` generation: the prefill yields the first token, then steps."""
+    return new_tokens / (prefill_s + (new_tokens - 1) / tokens_per_step * step_s)
+
+
+def throughput_hull(nodes: list[int], tok_per_s: list[float]) -> list[int]:
+    """Indices kept by the paper's rule: a tree stays only if faster than every smaller tree."""
+    order = sorted(range(len(nodes)), key=lambda k: (nodes[k], -tok_per_s[k]))
+    keep, best = [], float("-inf")
+    for k in order:
+        if tok_per_s[k] > best:
+            keep.append(k)
+            best = tok_per_s[k]
+    return keep

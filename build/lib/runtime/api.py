@@ -1,0 +1,287 @@
+"""Public API: load a model, its draft heads and a TopologyBank, then generate.
+
+    from runtime import EntMTP
+    engine = EntMTP.load("artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval")
+    out = engine.generate("Write a function that reverses a string.", max_new_tokens=128)
+    print(out.text, out.stats)
+
+A bank records which model and heads it was built for (provenance), so the bank folder alone is
+enough; `model_dir=` / `heads_dir=` override those paths (the fingerprints are still checked).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.bank import BankError, TopologyBank
+from runtime.decoder import Acceptance, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
+from runtime.device import clock, resolve_device
+from runtime.fingerprint import heads_fingerprint, weights_fingerprint
+from runtime.heads import DraftHeads, load_heads
+from runtime.model import Transformer, load_model, load_tokenizer
+from runtime.policy import Scheduler, policy_from_dict
+from runtime.sampling import Sampler, SamplingConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    stats: dict[str, Any] = field(default_factory=dict)
+    result: GenerationResult | None = None
+
+
+def render_chat(model_dir: Path, prompt: str, system: str | None = None) -> str:
+    """Render one user turn with the model's own chat template (Jinja, as transformers does)."""
+    tpl_file = model_dir / "chat_template.jinja"
+    cfg_file = model_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    template = tpl_file.read_text(encoding="utf-8") if tpl_file.is_file() else tok_cfg.get("chat_template")
+    if not template:
+        return prompt
+    import jinja2  # a torch dependency; imported here so plain-ids users never need it
+
+    def special(name: str) -> str:
+        # templates of BOS-using models (Llama-2, Vicuna) emit {{ bos_token }} themselves, as transformers renders them
+        tok = tok_cfg.get(name)
+        return tok.get("content", "") if isinstance(tok, dict) else tok if isinstance(tok, str) else ""
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                            bos_token=special("bos_token"), eos_token=special("eos_token"))
+
+
+LOSSLESS_MODES = ("exact", "numerical")
+DEFAULT_INVARIANT_ROWS = 8
+
+
+class EntMTP:
+    """A model + draft heads + TopologyBank, ready to decode losslessly with per-step tree choice."""
+
+    def __init__(self, model: Transformer, heads: DraftHeads, bank: TopologyBank, tokenizer: Any = None,
+                 model_dir: Path | None = None, acceptance: Acceptance | dict | None = None) -> None:
+        """`acceptance`: "exact" (lossless), "typical" (the paper's settings), a dict {kind,
+        temperature, epsilon, alpha} or a `TypicalAcceptance`; None takes the one the bank was
+        measured with (its provenance; exact for banks that record none)."""
+        self.model, self.heads, self.bank, self.tokenizer = model, heads, bank, tokenizer
+        self.model_dir = model_dir
+        self.acceptance = make_acceptance(acceptance if acceptance is not None else bank.provenance.get("acceptance"))
+        self.decoder = TreeDecoder(model, heads, bank.buffers, acceptance=self.acceptance)
+        self._decoders = {_acceptance_key(self.acceptance): self.decoder}
+
+    def decoder_for(self, acceptance: Acceptance | dict | None = None) -> TreeDecoder:
+        """The tree decoder over the bank for `acceptance` (None: the engine's own), made once."""
+        if acceptance is None:
+            return self.decoder
+        acc = make_acceptance(acceptance)
+        key = _acceptance_key(acc)
+        if key not in self._decoders:
+            self._decoders[key] = TreeDecoder(self.model, self.heads, self.bank.buffers, acceptance=acc)
+        return self._decoders[key]
+
+    @classmethod
+    def load(
+        cls,
+        bank_dir: str | Path,
+        model_dir: str | Path | None = None,
+        heads_dir: str | Path | None = None,
+        dtype: str | None = None,
+        max_seq_len: int = 2048,
+        force: bool = False,
+        device: str | torch.device | None = None,
+        acceptance: Acceptance | dict | None = None,
+        lossless: str | None = None,
+        invariant_rows: int | None = None,
+    ) -> EntMTP:
+        """Load the bank, then the model and heads it was built for (paths from its provenance
+        unless given). `dtype` defaults to the bank's (the one its figures were measured in);
+        `device` to the one the bank was built on, or the CPU, with a warning, when that device
+        is not available here; `acceptance` to the bank's (see `EntMTP.__init__`).
+
+        `lossless`: "exact" makes every decode forward row-invariant (`Transformer.set_row_invariance`,
+        padded to `invariant_rows` rows), so `generate` equals `generate_ar` token for token in any
+        dtype; "numerical" keeps the ordinary, fastest arithmetic, where a bf16 tree verify and a
+        one-token AR forward can round a near-tied argmax apart. Both default to what the bank was
+        built and measured with ("exact" with 8 rows for a bank that records neither)."""
+        bank_dir = Path(bank_dir)
+        probe = TopologyBank.load(bank_dir, force=True)  # read provenance first: where are the weights?
+        prov = probe.provenance
+        # recorded paths are relative to the bank folder
+        model_dir = Path(model_dir) if model_dir else bank_dir / prov.get("model_dir", "(none recorded)")
+        heads_dir = Path(heads_dir) if heads_dir else bank_dir / prov.get("heads_dir", "(none recorded)")
+        for what, p in (("model", model_dir), ("heads", heads_dir)):
+            if not p.is_dir():
+                raise BankError(f"the {what} folder {p} for bank {bank_dir} does not exist; "
+                                f"pass {what}_dir=... or rebuild with `make bank`")
+        dt = dtype or prov.get("dtype") or "float32"
+        if dt not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dt!r}")
+        recorded = prov.get("device") or (prov.get("config") or {}).get("device")
+        dev = resolve_device(device, recorded)
+        model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len, device=dev)
+        mode = lossless or prov.get("lossless") or "exact"
+        if mode not in LOSSLESS_MODES:
+            raise ValueError(f"lossless must be one of {', '.join(LOSSLESS_MODES)}, got {mode!r}")
+        rows = invariant_rows or prov.get("invariant_rows") or DEFAULT_INVARIANT_ROWS
+        model.set_row_invariance(int(rows) if mode == "exact" else None)
+        heads = load_heads(heads_dir, model=model)
+        bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_dir),
+                                 heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.config.num_heads,
+                                 force=force)
+        return cls(model, heads, bank, load_tokenizer(model_dir), model_dir, acceptance=acceptance)
+
+    def scheduler(self, policy: str | int | None = None) -> Scheduler | int:
+        """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput), a
+        tree index (an int, or its digits as a string), or None for the bank's default."""
+        # `is None`, not `or`: policy=0 (the smallest tree) must not mean "the default policy"
+        name = self.bank.default_policy if policy is None else policy
+        if isinstance(name, bool) or not isinstance(name, (str, int)):
+            raise ValueError(f"policy must be a policy name, a tree index or None, got {name!r}")
+        if isinstance(name, int) or name.isdigit():
+            k = int(name)
+            if not 0 <= k < len(self.bank.trees):
+                raise ValueError(f"tree index {k} out of range: the bank has {len(self.bank.trees)} trees")
+            return k
+        if name == "static" and "static" not in self.bank.policies:
+            return self.bank.best_static
+        if name not in self.bank.policies:
+            names = sorted({"static", *self.bank.policies})
+            raise ValueError(f"unknown policy {name!r}; this bank has: {', '.join(names)} or a tree index")
+        return Scheduler(policy_from_dict(self.bank.policies[name]), len(self.bank.trees))
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        """Token ids of `prompt` (text through the chat template unless chat=False, or ids as
+        given). An empty prompt, or text that encodes to no tokens, raises ValueError."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give some text or token ids")
+            if self.tokenizer is None:
+                raise ValueError("no tokenizer loaded: pass token ids instead of text")
+            text = render_chat(self.model_dir, prompt) if chat and self.model_dir else prompt
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            if not ids:
+                raise ValueError(f"the prompt {prompt[:40]!r} encodes to no tokens; give some text")
+            return ids
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("empty prompt: give at least one token id")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab}); encode the text with "
+                             "this model's tokenizer")
+        return ids
+
+    def fit_context(self, ids: list[int], max_new_tokens: int, truncate: str | None = None) -> list[int]:
+        """Apply the context-window policy of `generate` to prompt ids (see there)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if truncate not in (None, "left"):
+            raise ValueError(f"truncate must be None (raise on an overlong prompt) or 'left' (keep the most recent "
+                             f"tokens), got {truncate!r}")
+        capacity = self.model.max_seq_len
+        tree = max(int(b.depths.numel()) for b in self.bank.buffers)
+        room = capacity - max_new_tokens - tree  # prompt tokens that fit (the decoder's own bound)
+        if room < 1:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) + the largest tree ({tree} nodes) leave no room for a "
+                             f"prompt in the KV cache capacity {capacity}; lower max_new_tokens to at most "
+                             f"{capacity - tree - 1} or load the model with a larger max_seq_len")
+        if len(ids) <= room or truncate is None:
+            return ids  # an overlong prompt without truncate: the decoder raises with the numbers
+        return ids[len(ids) - room:]
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        policy: str | int | None = None,
+        stream: Callable[[str], None] | None = None,
+        chat: bool = True,
+        truncate: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        acceptance: Acceptance | dict | None = None,
+    ) -> Generation:
+        """Decode losslessly: the same tokens as `generate_ar` with the same sampling arguments.
+        `prompt` is text (rendered with the chat template unless chat=False) or token ids. `stream`
+        gets text pieces.
+
+        `acceptance` (default: the engine's, see `EntMTP.__init__`): "exact" is the lossless rule
+        above; "typical" (or a dict / `TypicalAcceptance` with its temperature, epsilon and alpha)
+        is the paper's typical acceptance, which accepts more drafts but changes the output (no
+        longer the AR text); it takes no sampling arguments (temperature must stay 0).
+
+        temperature 0 (default) is greedy. temperature > 0 samples from softmax(logits /
+        temperature) cut to the top_k tokens (0: all) and then to the top_p probability mass
+        (1.0: all), with noise keyed on (seed, output position): an exact sample, reproducible
+        from the seed, whatever trees the policy picks (runtime/sampling.py).
+
+        Context window: the KV cache holds `model.max_seq_len` positions, and a decode needs room
+        for the prompt, `max_new_tokens` and the bank's largest tree. By default (truncate=None) a
+        prompt that does not fit raises ValueError giving those numbers; truncate="left" instead
+        keeps the most recent prompt tokens that fit (for a chat prompt this drops the start of
+        the rendered template, keeping the end of the user turn and the assistant header).
+        `max_new_tokens` so large that not even one prompt token fits raises ValueError naming
+        the capacity, whatever `truncate` says. An empty prompt raises ValueError.
+        """
+        sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate)
+        on_tokens = None
+        if stream is not None:
+            if self.tokenizer is None:
+                raise ValueError("streaming text needs a tokenizer")
+            emitted: list[int] = []
+            printed = [0]
+
+            def on_tokens(toks: list[int]) -> None:
+                emitted.extend(toks)
+                text = self.tokenizer.decode(emitted)
+                # A character split over byte-level tokens (emoji, CJK) decodes as U+FFFD until its
+                # last byte arrives; streaming it then would print a replacement character that the
+                # next piece cannot take back. Hold the text until it decodes cleanly.
+                if text.endswith("\ufffd") or len(text) <= printed[0]:
+                    return
+                stream(text[printed[0]:])
+                printed[0] = len(text)
+
+        decoder = self.decoder_for(acceptance)
+        res = decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens, sampler=sampler)
+        text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
+        if stream is not None and len(text) > printed[0]:
+            stream(text[printed[0]:])  # what was held back (generation stopped mid-character)
+        stats = res.stats()
+        stats["trees_used"] = {self.bank.trees[k].num_nodes: n for k, n in stats["trees_used"].items()}
+        stats["sampling"] = sampler.config.to_dict()
+        stats["acceptance"] = acceptance_dict(decoder.acceptance)
+        return Generation(text=text, tokens=res.tokens, stats=stats, result=res)
+
+    def generate_ar(self, prompt: str | Sequence[int], max_new_tokens: int = 128, chat: bool = True,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Generation:
+        """Plain autoregressive decoding on the same model, for comparison (greedy, or seeded
+        sampling with the same arguments and meaning as `generate`)."""
+        from runtime.generate import ar_generate
+
+        sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        ids = self.encode(prompt, chat)
+        t0 = clock(self.model.device)
+        toks = ar_generate(self.model, ids, max_new_tokens, sampler=sampler)
+        dt = clock(self.model.device) - t0
+        text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
+        return Generation(text=text, tokens=toks, stats={"new_tokens": len(toks), "tok_per_s": round(len(toks) / dt, 2),
+                                                          "tokens_per_step": 1.0,
+                                                          "sampling": sampler.config.to_dict()})
+
+
+def _acceptance_key(acceptance: Acceptance) -> tuple:
+    return tuple(sorted(acceptance_dict(acceptance).items()))

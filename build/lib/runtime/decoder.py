@@ -1,0 +1,380 @@
+"""Tree speculative decoding with draft heads: draft a tree, verify it in one forward, accept.
+
+One step, with the KV cache holding every committed position before `pos` and the root token
+(the last emitted token, not yet in the cache) known:
+
+1. pick a tree (an index into precompiled `TreeBuffers`: switching costs nothing),
+2. the heads draft the tree's tokens from the context vector `h` of the previous position,
+3. the base model verifies all nodes in one call with the tree's ancestor mask,
+4. accept the longest path whose every token the base model agrees with (exact: equal to the
+   parent's next token as the `Sampler` picks it, argmax at temperature 0, a sample keyed on the
+   output position above; typical: probable enough under the parent's distribution),
+5. emit the accepted drafts plus one bonus token from the last accepted node, and compact the
+   KV cache to the accepted path (one gather over all layers).
+
+Under exact acceptance (the default; "greedy" is its older name) the output is token-identical to
+autoregressive decoding with the same sampler (greedy, or seeded sampling at temperature > 0: see
+runtime/sampling.py), for any tree and any per-step choice of tree (up to floating-point ties in an
+argmax). Typical acceptance (`TypicalAcceptance`) is the paper's and published Medusa/Hydra's rule:
+it accepts more, and changes the output distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.device import clock
+from runtime.heads import DraftHeads
+from runtime.model import Transformer
+from runtime.policy import SIGNALS, Scheduler
+from runtime.sampling import RowPositions, Sampler
+from runtime.tree import TreeBuffers
+
+# names of the signals for which the decoder runs the heads' greedy chain every step (see
+# `Signal.reads_heads`; the paper's signal is not one of them, see `PaperSignal`)
+HEAD_SIGNALS = tuple(name for name, cls in SIGNALS.items() if cls.reads_heads)
+
+
+ACCEPTANCE_KINDS = ("exact", "typical")
+
+
+@dataclass
+class TypicalAcceptance:
+    """Medusa/Hydra typical acceptance, as the published code does it (Medusa's
+    `evaluate_posterior` with `sampling='typical', fast=True`, which Hydra's `hydra/model/utils.py`
+    copies, and its `generate_candidates`):
+
+    * a drafted child is accepted when its probability under the parent's tempered distribution
+      p = softmax(logits / temperature) exceeds min(epsilon, alpha * exp(-H)), with the entropy
+      H = -sum(p * log(p + 1e-5)) (the published constant inside the log);
+    * a path counts only while every node on it is accepted; the step keeps the longest accepted
+      length and, among the paths that reach it, the one with the largest summed log-probability of
+      its accepted tokens (published: `best_candidates[argmax(likelihood)]`, the first on exact ties);
+      when no draft is accepted, the root alone;
+    * the next root (the step's bonus token) is the base model's argmax after the accepted node
+      (published `generate_candidates` with fast=True: not sampled).
+
+    The published code compares leaf paths (`retrieve_indices`); paths that share their accepted
+    prefix have the same likelihood, so choosing among the deepest accepted *nodes* by the summed
+    log-probability of their root paths is the same choice."""
+
+    temperature: float = 0.7
+    epsilon: float = 0.09
+    alpha: float = 0.3
+    seed: int = 0  # unused since the next root is the argmax (as published Hydra); kept for saved configs
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError("typical acceptance needs temperature > 0; use acceptance='exact' for temperature 0")
+        if not 0 <= self.epsilon <= 1 or self.alpha < 0:
+            raise ValueError(f"typical acceptance needs epsilon in [0, 1] and alpha >= 0, got epsilon={self.epsilon}, "
+                             f"alpha={self.alpha}")
+
+    def to_dict(self) -> dict[str, float | str]:
+        return {"kind": "typical", "temperature": self.temperature, "epsilon": self.epsilon, "alpha": self.alpha}
+
+
+Acceptance = str | TypicalAcceptance   # "exact" (lossless) or the paper's typical acceptance
+
+
+def make_acceptance(spec: Acceptance | dict | None) -> Acceptance:
+    """"exact" or a `TypicalAcceptance` from a name ("exact", "greedy" = exact, "typical" = the
+    paper's settings), a dict {kind, temperature, epsilon, alpha} (the pipeline's `acceptance`
+    block, or what a bank records), an instance, or None (exact)."""
+    if spec is None or isinstance(spec, TypicalAcceptance):
+        return spec if spec is not None else "exact"
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, dict):
+        raise ValueError(f"acceptance must be 'exact', 'typical', a dict or a TypicalAcceptance, got {spec!r}")
+    kind = "exact" if spec.get("kind", "exact") == "greedy" else spec.get("kind", "exact")
+    if kind not in ACCEPTANCE_KINDS:
+        raise ValueError(f"acceptance kind {kind!r}: choose one of {', '.join(ACCEPTANCE_KINDS)}")
+    if kind == "exact":
+        return "exact"
+    known = {"temperature", "epsilon", "alpha"}
+    return TypicalAcceptance(**{k: float(v) for k, v in spec.items() if k in known})
+
+
+def acceptance_dict(acceptance: Acceptance) -> dict[str, float | str]:
+    """The JSON form of an acceptance (inverse of `make_acceptance`)."""
+    return acceptance.to_dict() if isinstance(acceptance, TypicalAcceptance) else {"kind": "exact"}
+
+
+@dataclass
+class StepRecord:
+    tree: int          # index of the tree used in this step
+    accepted: int      # accepted draft tokens (tokens emitted this step = accepted + 1)
+    seconds: float     # wall time of the whole step (choose + draft + verify + accept)
+    signal: float      # the value the policy saw (nan for a fixed schedule)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                       # new tokens (EOS included when it stopped on one)
+    steps: list[StepRecord] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per decoding step (accepted drafts + the bonus token); AR = 1.0.
+
+        The first token comes from the prefill and is not counted in any step."""
+        if not self.steps:
+            return float("nan")
+        return (len(self.tokens) - 1) / len(self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens per second, prefill included."""
+        total = self.prefill_seconds + self.decode_seconds
+        return len(self.tokens) / total if total > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def stats(self) -> dict[str, float | int | dict[int, int]]:
+        used: dict[int, int] = {}
+        for s in self.steps:
+            used[s.tree] = used.get(s.tree, 0) + 1
+        return {
+            "new_tokens": len(self.tokens),
+            "steps": len(self.steps),
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "tok_per_s": round(self.tokens_per_second, 2),
+            "decode_tok_per_s": round(self.decode_tokens_per_second, 2),
+            "prefill_s": round(self.prefill_seconds, 4),
+            "trees_used": used,
+        }
+
+
+class TreeDecoder:
+    """Exact (greedy or seeded-sampling) or typical tree speculative decoding over a fixed list of
+    compiled trees."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        heads: DraftHeads,
+        trees: Sequence[TreeBuffers],
+        acceptance: Acceptance | dict = "exact",
+    ) -> None:
+        if not trees:
+            raise ValueError("TreeDecoder needs at least one tree")
+        acceptance = make_acceptance(acceptance)
+        max_depth = max(len(t.depth_slices) for t in trees)
+        if max_depth > heads.config.num_heads:
+            raise ValueError(f"a tree has depth {max_depth} but the heads draft only {heads.config.num_heads} tokens")
+        self.model = model
+        self.heads = heads
+        self.trees = [t.to(model.device) for t in trees]  # buffers live where the model computes
+        self.acceptance = acceptance
+        self._max_nodes = max(t.num_nodes for t in self.trees)
+        # positions 0..max depth: the offsets of an accepted path's slots after compaction
+        self._offsets = torch.arange(max(t.depth for t in self.trees) + 1, device=model.device)
+        heads.bind(model)
+
+    # ----------------------------------------------------------------------------------------
+    def _accept(self, buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor,
+                sampler: Sampler, first_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deepest node whose whole path the base model accepts, and the bonus token after it,
+        both as int64 [1] tensors on the device (nothing is read on the host here).
+
+        tokens [N] are the drafted tokens (index 0 the root), logits [N, V] the verify forward's;
+        `first_position` is the output position the root's row predicts (tokens emitted so far)."""
+        if self.acceptance == "exact":
+            # [N]: the base model's token after each node (argmax, or its keyed sample); a depth-d
+            # node predicts output position first_position + d
+            next_tokens = sampler.next_tokens(logits, RowPositions(first_position, buf.depths, buf.depth + 1))
+            ok = tokens == next_tokens[buf.parent_index]
+            ok[0] = True
+            # a node counts only when it and every ancestor are accepted: its mask row lists exactly those
+            accepted = ~(buf.attn_mask & ~ok).any(dim=-1)
+            # at most one child of a node equals its next token, so the deepest accepted node is unique
+            # (up to repeated drafts of one token, which carry the same path)
+            best = torch.where(accepted, buf.depths, -1).argmax(dim=0, keepdim=True)
+            return best, next_tokens.index_select(0, best)
+        cfg = self.acceptance
+        probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+        entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
+        threshold = torch.clamp(cfg.alpha * torch.exp(-entropy), max=cfg.epsilon)
+        node_prob = probs[buf.parent_index, tokens]          # [N]: p(token | parent), tempered
+        ok = node_prob > threshold[buf.parent_index]
+        ok[0] = True
+        accepted = ~(buf.attn_mask & ~ok).any(dim=-1)
+        # the likelihood of each node's path: summed log-probabilities of its tokens (root excluded);
+        # `where`, not a product with the mask, because a rejected node's log-probability may be -inf
+        node_logp = torch.log(node_prob)
+        node_logp[0] = 0.0
+        path_logp = torch.where(buf.attn_mask, node_logp[None, :], 0.0).sum(-1)
+        accepted_depth = torch.where(accepted, buf.depths, -1)
+        deepest = accepted_depth == accepted_depth.max()
+        best = torch.where(deepest, path_logp, -math.inf).argmax(dim=0, keepdim=True)   # first on exact ties
+        # the next root is the base model's argmax after the accepted node, as the published
+        # Hydra/Medusa code chooses it under typical acceptance (it is not sampled)
+        return best, logits.argmax(dim=-1).index_select(0, best)
+
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        choose: Scheduler | int = 0,
+        eos_ids: Sequence[int] | None = None,
+        stream: Callable[[list[int]], None] | None = None,
+        sampler: Sampler | None = None,
+    ) -> GenerationResult:
+        """Decode up to `max_new_tokens` new tokens after `input_ids`.
+
+        `choose` is a fixed tree index or a `Scheduler` (a policy and its signal) that picks the
+        tree before every step. `stream` receives each step's emitted tokens. `sampler` picks
+        every emitted token (default: greedy); the output equals `ar_generate` with the same sampler.
+
+        A step waits for the device once: when its emitted tokens (and, for signals that read the
+        base logits, two statistics of the last accepted row) come to the host in one transfer.
+        Signals that read the heads (`HEAD_SIGNALS`) add one more, before the tree is chosen.
+        """
+        sampler = sampler if sampler is not None else Sampler()
+        if not sampler.greedy and self.acceptance != "exact":
+            raise ValueError("typical acceptance decides with its own temperature (TypicalAcceptance.temperature); "
+                             "give a sampler only with acceptance='exact'")
+        if len(input_ids) == 0:
+            raise ValueError("empty prompt: give at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        model, heads = self.model, self.heads
+        capacity = model.max_seq_len
+        need = len(input_ids) + max_new_tokens + self._max_nodes
+        if need > capacity:
+            raise ValueError(
+                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + largest tree "
+                f"({self._max_nodes} nodes) = {need} exceeds the KV cache capacity {capacity}; "
+                "shorten the prompt, lower max_new_tokens or load the model with a larger max_seq_len"
+            )
+        eos = set(eos_ids if eos_ids is not None else model.args.eos_token_ids)
+        fixed = isinstance(choose, int)
+        reads_heads = reads_logits = False
+        if fixed and not 0 <= choose < len(self.trees):
+            raise ValueError(f"tree index {choose} out of range: the decoder has {len(self.trees)} trees")
+        if not fixed:
+            if not isinstance(choose, Scheduler):
+                raise ValueError(f"choose must be a tree index or a runtime.policy.Scheduler, got {type(choose).__name__}")
+            choose.policy.check_bank(len(self.trees))
+            choose.reset()
+            reads_heads = choose.signal.reads_heads
+            reads_logits = choose.signal.reads_logits
+        dev = model.device
+
+        model.reset_cache()
+        heads.reset()
+        result = GenerationResult(tokens=[])
+        t0 = clock(dev)
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=dev)
+        prompt_pos = torch.arange(ids.shape[1], device=dev)
+        logits, hidden = model(ids, prompt_pos, last_only=True)
+        h = heads.observe(hidden, prompt_pos)
+        last = logits[0, -1]
+        root = int(sampler.next_tokens(last[None], RowPositions(0, self._offsets[:1], 1))[0])
+        p0 = entropy = math.nan
+        if reads_logits:
+            p0, entropy = _top1_and_entropy(last)
+        result.tokens.append(root)
+        result.prefill_seconds = clock(dev) - t0
+        if stream:
+            stream([root])
+
+        t_dec = time.perf_counter()
+        while root not in eos and len(result.tokens) < max_new_tokens:
+            # No synchronisation for this clock read: the previous step ended with one (its token
+            # transfer); device work queued after it (the heads' observation) counts in this step.
+            ts = time.perf_counter()
+            if fixed:
+                k, signal = choose, math.nan
+            else:
+                chain = greedy_chain_top1(heads, h, root) if reads_heads else ()
+                signal = choose.signal.observe(p0, chain, entropy)
+                k = choose.policy.choose(signal)
+            buf = self.trees[k]
+            start = model.cache_len
+            tokens = heads.propose(h, root, buf)
+            logits, hidden = model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False)
+            best, bonus = self._accept(buf, tokens, logits[0], sampler, len(result.tokens))
+            path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
+            # move the path's K/V to the front now (all D+1 slots; the padding is cut below)
+            model.compact_cache(start, path)
+            parts = [buf.depths.index_select(0, best), tokens.index_select(0, path[1:]), bonus]
+            if reads_logits:
+                parts.append(_logit_sums(logits[0].index_select(0, best)[0]))
+            # the step's one host synchronisation: everything the host needs, in one transfer
+            host = torch.cat([x.to(torch.float64) for x in parts]).tolist()
+            accepted = int(host[0])
+            model.truncate_cache(start + accepted + 1)
+            h = heads.observe(hidden[:, path[: accepted + 1]], start + self._offsets[: accepted + 1])
+            emitted = [int(t) for t in host[1: 1 + accepted]] + [int(host[1 + buf.depth])]
+            # stop at EOS / the token budget, mid-step if need be
+            room = max_new_tokens - len(result.tokens)
+            out: list[int] = []
+            for tok in emitted[:room]:
+                out.append(tok)
+                if tok in eos:
+                    break
+            result.tokens.extend(out)
+            root = out[-1]
+            if not fixed:
+                choose.update(accepted)
+                if reads_logits:
+                    p0, entropy = _p0_and_entropy(*host[-2:])
+            result.steps.append(StepRecord(k, accepted, time.perf_counter() - ts, signal))
+            if stream:
+                stream(out)
+        result.decode_seconds = clock(dev) - t_dec
+        return result
+
+
+def _logit_sums(logits: torch.Tensor) -> torch.Tensor:
+    """(s, d) = (sum(e), sum(e * z)) with z = x - max(x), e = exp(z), for one row of logits: the
+    two numbers `_p0_and_entropy` needs, left on the device."""
+    x = logits.float()
+    z = x - x.max()
+    e = z.exp()
+    return torch.stack((e.sum(), torch.dot(e, z)))
+
+
+def _p0_and_entropy(s: float, d: float) -> tuple[float, float]:
+    """p0 = exp(0) / s = 1 / s and H = -sum(p log p) = log s - d / s (see `_logit_sums`)."""
+    return 1.0 / s, math.log(s) - d / s
+
+
+def _top1_and_entropy(logits: torch.Tensor) -> tuple[float, float]:
+    """(p0, entropy in nats) of softmax(logits) for one row, with a single exp pass over the vocabulary.
+
+    With m = max(x), z = x - m, e = exp(z), s = sum(e): p0 = exp(0) / s = 1 / s and
+    H = -sum(p log p) = log s - sum(e * z) / s. Exact algebra (float32 rounding aside), and about
+    2/3 of the cost of log_softmax followed by exp (two exp passes); on a 49,152-token vocabulary
+    the exp pass is most of what is left (pipeline/benchmarks/policy_overhead.py)."""
+    s, d = _logit_sums(logits).tolist()  # one conversion to Python floats
+    return _p0_and_entropy(s, d)
+
+
+def greedy_chain_top1(heads: DraftHeads, h: torch.Tensor, root: int) -> list[float]:
+    """p_1..p_D: each head's top-1 probability along the heads' own greedy chain from `root`
+    (the chain's tokens stay on the device; the D probabilities come back in one transfer)."""
+    D = heads.config.num_heads
+    h = h.reshape(1, -1)
+    tokens = torch.full((1, D), int(root), dtype=torch.long, device=h.device)
+    probs = torch.empty(D, dtype=torch.float32, device=h.device)
+    for d in range(1, D + 1):
+        states = heads.head_states(h, tokens, heads=d)[:, -1:]          # head d only
+        top = torch.softmax(heads.output_logits(states, first_head=d)[0, 0].float(), -1).max(-1)
+        probs[d - 1] = top.values
+        if d < D:
+            tokens[0, d] = top.indices if heads.draft_ids is None else heads.draft_ids[top.indices]
+    return probs.tolist()

@@ -1,0 +1,751 @@
+"""Multi-token-prediction draft heads: Medusa, Hydra and Hydra++.
+
+Head d (1-based, d = 1..D) reads the context vector h_t of a committed position t, whose base
+argmax is the root token x_{t+1}, and predicts x_{t+1+d}:
+
+* Medusa: head d sees h_t only: ResBlock^L(h_t) -> output layer.
+* Hydra: head d also sees the tokens on its path: its first ResBlock maps
+  concat(h_t, e(x_{t+1}), ..., e(x_{t+d})) [(d+1)*dim] -> dim with a learned linear residual,
+  then L-1 ResBlock(dim) -> output layer. e is the base model's token embedding.
+* Hydra++ (`prefix_layer`): h_t is not the base hidden state itself but the output of one extra
+  Llama decoder layer (+ final RMSNorm) run causally over the base hidden states, with its own
+  KV cache of committed positions.
+
+ResBlock(x) = residual(x) + SiLU(W x + b), W zero-initialised, so a fresh block is its residual
+map. The output layer is `shared` (the base lm_head, frozen and never saved: keeps the heads
+small enough to ship in git), `own` (Linear dim->V per head, initialised from the base lm_head)
+or `draft` (Linear dim->V_draft per head plus an id map to base ids, EAGLE-3 style). `shared`
+with a `draft_vocab_size` uses only the base lm_head rows of the V_draft ids in the saved id map
+(FR-Spec style: a frequency-ranked draft vocabulary needs no retraining and adds only the ids to
+the folder).
+
+Drafting need not be exact (verification keeps decoding lossless), so at inference the output
+product may run in cheaper arithmetic than the base model (`draft_dtype`: bfloat16, or int8 with
+dynamic activation quantisation); training always uses the exact product.
+
+The heads' own files are `config.json` + `heads.safetensors` (see `save_heads`/`load_heads`);
+published Hydra/Medusa checkpoints are read by `runtime.published`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from runtime.io import atomic_write_bytes
+from runtime.model import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
+from runtime.tree import TreeBuffers
+
+KINDS = ("hydra", "medusa")
+OUTPUTS = ("shared", "own", "draft")
+FORMAT = "entmtp-heads"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "heads.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# arithmetic of the drafting output product; None = the heads' own dtype, "auto" = measured
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "int8")
+
+
+@dataclass
+class HeadsConfig:
+    hidden_size: int                  # base model hidden size (dim)
+    vocab_size: int                   # base model vocabulary
+    kind: str = "hydra"               # "hydra" | "medusa"
+    num_heads: int = 4                # D: tokens drafted beyond the root
+    num_layers: int = 1               # ResBlocks per head
+    prefix_layer: bool = False        # Hydra++: one decoder layer over the base hidden states
+    output: str = "shared"            # "shared" | "own" | "draft"
+    draft_vocab_size: int | None = None  # V_draft: output="draft", or "shared" restricted to draft ids
+    draft_dtype: str | None = None    # drafting output product: None (heads' dtype) | DRAFT_DTYPES
+    output_bias: bool | None = None   # bias of own/draft output layers; None = Hydra yes, Medusa no
+    dropout: float = 0.0              # training only (Hydra uses 0.2); inert at inference
+    base_fingerprint: str | None = None  # weights fingerprint of the base model the heads were trained on
+    base_args: dict[str, Any] | None = None  # the base ModelArgs (as a dict): shapes of the prefix layer
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"HeadsConfig.{name} must be a positive int, got {value!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"HeadsConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.output not in OUTPUTS:
+            raise ValueError(f"HeadsConfig.output must be one of {OUTPUTS}, got {self.output!r}")
+        v = self.draft_vocab_size
+        if self.output == "draft" or (self.output == "shared" and v is not None):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= self.vocab_size:
+                raise ValueError(f"output={self.output!r} needs draft_vocab_size in [1, vocab_size={self.vocab_size}], got {v!r}")
+        elif v is not None:
+            raise ValueError(f"draft_vocab_size is only meaningful with output='draft' or 'shared' (output is "
+                             f"{self.output!r}); set it to null")
+        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
+            raise ValueError(f"HeadsConfig.draft_dtype must be null or one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
+        if self.output_bias is None:
+            self.output_bias = self.kind == "hydra" and self.output != "shared"
+        if self.output == "shared" and self.output_bias:
+            raise ValueError("output='shared' reuses the base lm_head, which has no bias: set output_bias to false")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"HeadsConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.prefix_layer:
+            if self.base_args is None:
+                raise ValueError("prefix_layer=True needs base_args (the base ModelArgs as a dict); "
+                                 "build the config with HeadsConfig.for_model(model.args, ...)")
+            args = self.prefix_args()
+            if args.dim != self.hidden_size:
+                raise ValueError(f"base_args.dim ({args.dim}) != hidden_size ({self.hidden_size})")
+
+    @classmethod
+    def for_model(cls, args: ModelArgs, **kwargs: Any) -> HeadsConfig:
+        """A config sized for a base model (hidden size, vocabulary, prefix-layer shapes)."""
+        return cls(hidden_size=args.dim, vocab_size=args.vocab_size, base_args=_args_to_dict(args), **kwargs)
+
+    def prefix_args(self) -> ModelArgs:
+        """ModelArgs of the one-layer Llama block used by Hydra++."""
+        if self.base_args is None:
+            raise ValueError("these heads carry no base_args")
+        fields = {f.name for f in dataclasses.fields(ModelArgs)}
+        unknown = sorted(set(self.base_args) - fields)
+        if unknown:
+            raise ValueError(f"base_args has unknown keys {unknown}; expected a subset of {sorted(fields)}")
+        return ModelArgs(**{**self.base_args, "n_layers": 1})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HeadsConfig:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise ValueError(f"unknown heads config keys {unknown}; known keys: {sorted(fields)}")
+        missing = [k for k in ("hidden_size", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"heads config lacks required keys {missing}")
+        return cls(**d)
+
+
+def _args_to_dict(args: ModelArgs) -> dict[str, Any]:
+    d = dataclasses.asdict(args)
+    d["eos_token_ids"] = list(d["eos_token_ids"])
+    return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class ResBlock(nn.Module):
+    """x -> residual(x) + SiLU(W x + b). W and b start at zero, so a fresh block is its residual map.
+
+    With in_dim == dim the residual is the identity (Medusa, and Hydra's later blocks). Hydra's
+    first block shrinks (d+1)*dim to dim with a learned linear residual; we initialise that one
+    to pass h_t through (identity on the first dim inputs, zero on the token embeddings), so an
+    untrained Hydra head starts as the base lm_head applied to h_t rather than as noise.
+    """
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_dim, dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)  # (Medusa zeroes only W; SiLU(b) != 0 would shift h)
+        self.residual: nn.Linear | None = None
+        if in_dim != dim:
+            self.residual = nn.Linear(in_dim, dim)
+            with torch.no_grad():
+                self.residual.weight.zero_()
+                self.residual.weight[:, :dim] = torch.eye(dim)
+                self.residual.bias.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        skip = x if self.residual is None else self.residual(x)
+        return skip + F.silu(self.linear(x))
+
+
+class Head(nn.Module):
+    """One draft head: L ResBlocks and, unless the output layer is shared, its own projection."""
+
+    def __init__(self, in_dim: int, dim: int, num_layers: int, out_dim: int | None, out_bias: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ResBlock(in_dim, dim)] + [ResBlock(dim, dim) for _ in range(num_layers - 1)])
+        self.out = nn.Linear(dim, out_dim, bias=out_bias) if out_dim is not None else None
+
+
+class PrefixLayer(nn.Module):
+    """Hydra++'s extra decoder layer: one Llama block + final RMSNorm over the base hidden states.
+
+    Uses runtime.model's TransformerBlock (2-D activations [n, dim], a KV cache tensor
+    [2, kv_heads, slots, head_dim] written at `start`). Two modes: `step` appends committed
+    positions to its own preallocated cache (decoding); `full` runs a whole sequence from an empty
+    scratch cache without touching the decoding cache (rollout, training; differentiable).
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.block = TransformerBlock(args)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        # a plain attribute, not a buffer: module.to(bfloat16) must not round the RoPE frequencies
+        self._inv_freq: Tensor | None = None
+        self.kv: Tensor | None = None
+        self.cache_len = 0
+
+    def setup_cache(self, max_seq_len: int) -> None:
+        a, w = self.args, self.norm.weight
+        self.kv = torch.zeros(2, a.n_kv_heads, max_seq_len, a.head_dim, dtype=w.dtype, device=w.device)
+        self.cache_len = 0
+
+    def _rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        # same float32 recipe as runtime.model.rope_tables, computed for just these positions
+        device = self.norm.weight.device
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = rope_inv_freq(self.args, device)
+        freqs = torch.outer(input_pos.to(device, torch.float32), self._inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+
+    def _mask(self, start: int, n: int, device: torch.device) -> Tensor | None:
+        # the [groups*n, start+n] group-major layout runtime.model's Attention expects
+        if n == 1:
+            return None
+        full = torch.ones(n, start + n, dtype=torch.bool, device=device)
+        full[:, start:] = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+        return full.repeat(self.args.n_groups, 1)
+
+    def step(self, x: Tensor, input_pos: Tensor) -> Tensor:
+        """Append n committed positions x [n, dim] to the cache; return their outputs [n, dim]."""
+        if self.kv is None:
+            raise RuntimeError("the prefix layer has no cache: call DraftHeads.bind(model) first")
+        w = self.norm.weight
+        if self.kv.dtype != w.dtype or self.kv.device != w.device:  # heads moved/cast after bind()
+            self.kv = self.kv.to(w)
+        n, start = x.shape[0], self.cache_len
+        if start + n > self.kv.shape[2]:
+            raise ValueError(f"the prefix layer's cache holds {self.kv.shape[2]} positions; {start} are used "
+                             f"and {n} more do not fit (call reset(), or bind a model with a larger max_seq_len)")
+        cos, sin = self._rope(input_pos)
+        out = self.norm(self.block(x, cos, sin, self.kv, start, self._mask(start, n, x.device)))
+        self.cache_len = start + n
+        return out
+
+    def full(self, x: Tensor, input_pos: Tensor) -> Tensor:
+        """Causal pass over a whole sequence x [n, dim] (from an empty context); [n, dim]."""
+        a, n = self.args, x.shape[0]
+        kv = torch.zeros(2, a.n_kv_heads, n, a.head_dim, dtype=x.dtype, device=x.device)
+        cos, sin = self._rope(input_pos)
+        return self.norm(self.block(x, cos, sin, kv, 0, self._mask(0, n, x.device)))
+
+
+class _BaseRefs:
+    """Holds the bound base model's embedding and lm_head outside the module tree, so they are
+    never saved, moved, cast or trained along with the heads."""
+
+    def __init__(self, embed: nn.Embedding, lm_head: nn.Linear) -> None:
+        self.embed = embed
+        self.lm_head = lm_head
+
+
+# ----------------------------------------------------------------------------------------------
+# The heads
+
+
+class DraftHeads(nn.Module):
+    """D draft heads over a base model (see the module docstring). Call `bind(model)` first."""
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        dim = c.hidden_size
+        out_dim = {"shared": None, "own": c.vocab_size, "draft": c.draft_vocab_size}[c.output]
+        self.prefix = PrefixLayer(c.prefix_args()) if c.prefix_layer else None
+        self.heads = nn.ModuleList(
+            Head((d + 1) * dim if c.kind == "hydra" else dim, dim, c.num_layers, out_dim, bool(c.output_bias))
+            for d in range(1, c.num_heads + 1)
+        )
+        if c.draft_vocab_size is not None:
+            # base id of each draft-vocabulary entry (filled by training or by loading)
+            self.register_buffer("draft_ids", torch.arange(c.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_ids = None
+        self.dropout = nn.Dropout(c.dropout)
+        self._base: _BaseRefs | None = None
+        # the drafting output product, built on first use (see `draft_output`): not a submodule,
+        # so it is never saved, cast or trained
+        self._draft_out: _DraftOutput | None = None
+
+    # -- binding and state ----------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.heads[0].blocks[0].linear.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.heads[0].blocks[0].linear.weight.device
+
+    @property
+    def is_bound(self) -> bool:
+        return self._base is not None
+
+    def bind(self, model: Transformer) -> None:
+        """Use `model`'s token embeddings (Hydra) and lm_head (shared output); size the prefix cache."""
+        a, c = model.args, self.config
+        if a.dim != c.hidden_size or a.vocab_size != c.vocab_size:
+            raise ValueError(f"heads were built for hidden_size={c.hidden_size}, vocab_size={c.vocab_size} but the "
+                             f"model has dim={a.dim}, vocab_size={a.vocab_size}: these heads belong to another model")
+        self._base = _BaseRefs(model.tok_embeddings, model.output)
+        self._draft_out = None
+        if self.prefix is not None:
+            slots = getattr(model, "max_seq_len", 0) or a.max_position_embeddings
+            self.prefix.setup_cache(int(slots))
+
+    def init_output_from_base(self) -> None:
+        """Copy the bound lm_head into own/draft output layers (Hydra and Medusa do this before training)."""
+        if self.config.output == "shared":
+            return
+        w = self._refs().lm_head.weight
+        rows = w if self.draft_ids is None else w[self.draft_ids.to(w.device)]
+        with torch.no_grad():
+            for head in self.heads:
+                head.out.weight.copy_(rows.to(head.out.weight))
+                if head.out.bias is not None:
+                    head.out.bias.zero_()
+
+    def set_draft_vocab(self, base_ids: Tensor) -> None:
+        """Set the draft vocabulary (distinct base ids, length draft_vocab_size)."""
+        if self.draft_ids is None:
+            raise ValueError("set_draft_vocab needs output='draft'")
+        ids = base_ids.to(torch.long).flatten()
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids, the config says {self.config.draft_vocab_size}")
+        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft ids must be distinct base ids in [0, {self.config.vocab_size})")
+        self.draft_ids.copy_(ids.to(self.draft_ids.device))
+        self._draft_out = None
+
+    def reset(self) -> None:
+        """Forget every observed position (start of a new sequence)."""
+        if self.prefix is not None:
+            self.prefix.cache_len = 0
+
+    def _refs(self) -> _BaseRefs:
+        if self._base is None:
+            raise RuntimeError("the heads are not bound to a base model: call heads.bind(model) first")
+        return self._base
+
+    # -- context vectors -------------------------------------------------------------------------
+
+    def observe(self, hidden: Tensor, input_pos: Tensor) -> Tensor:
+        """Feed the base hidden states [1, n, dim] of n newly committed positions (absolute
+        positions input_pos [n]); return the context vector [1, dim] of the last one.
+
+        Without a prefix layer this is the last hidden state itself; Hydra++ appends the positions
+        to its prefix layer's cache first."""
+        _check_hidden(hidden, input_pos, self.config.hidden_size)
+        if self.prefix is None:
+            return hidden[:, -1]
+        with torch.no_grad():
+            out = self.prefix.step(hidden[0].to(self.dtype), input_pos)
+        return out[-1:]
+
+    def context(self, hidden: Tensor, input_pos: Tensor | None = None) -> Tensor:
+        """Context vectors [n, dim] for a whole sequence of base hidden states ([1, n, dim] or
+        [n, dim], positions default 0..n-1), computed from scratch: the decoding cache is left
+        alone. This is what `teacher_forced_logits` expects as `h`. Differentiable (training)."""
+        x = hidden[0] if hidden.dim() == 3 else hidden
+        if x.dim() != 2 or (hidden.dim() == 3 and hidden.shape[0] != 1):
+            raise ValueError(f"hidden must be [1, n, dim] or [n, dim], got {tuple(hidden.shape)}")
+        if input_pos is None:
+            input_pos = torch.arange(x.shape[0], device=x.device)
+        _check_hidden(x[None], input_pos, self.config.hidden_size)
+        if self.prefix is None:
+            return x
+        return self.prefix.full(x.to(self.dtype), input_pos)
+
+    # -- head computations (shared by drafting, rollout and training) ---------------------------
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        emb = self._refs().embed.weight
+        return F.embedding(tokens.to(emb.device), emb).to(self.dtype)
+
+    def head_states(self, h: Tensor, next_tokens: Tensor | None, heads: int | None = None) -> Tensor:
+        """Last ResBlock outputs [M, D', dim] of heads 1..D' (D' = heads or num_heads) for context
+        vectors h [M, dim]; Hydra head d reads next_tokens[:, :d] (the root and the tokens before
+        its target). Dropout applies in training mode."""
+        n = heads or self.config.num_heads
+        x0 = self.dropout(h.to(self.dtype))
+        states = []
+        if self.config.kind == "hydra":
+            if next_tokens is None or next_tokens.dim() != 2 or next_tokens.shape[0] != h.shape[0] or next_tokens.shape[1] < n:
+                raise ValueError(f"Hydra heads need next_tokens [M={h.shape[0]}, >= {n}], got "
+                                 f"{None if next_tokens is None else tuple(next_tokens.shape)}")
+            emb = self.dropout(self.embed(next_tokens[:, :n]))            # [M, n, dim]
+            parts = [x0]
+            for d in range(1, n + 1):
+                parts.append(emb[:, d - 1])
+                states.append(self._blocks(d, torch.cat(parts, dim=-1)))
+        else:
+            states = [self._blocks(d, x0) for d in range(1, n + 1)]
+        return torch.stack(states, dim=1)
+
+    def _blocks(self, d: int, x: Tensor) -> Tensor:
+        for i, block in enumerate(self.heads[d - 1].blocks):
+            x = block(x if i == 0 else self.dropout(x))
+        return x
+
+    def output_logits(self, states: Tensor, first_head: int = 1) -> Tensor:
+        """Output-layer logits [..., k, V_out] for head states [..., k, dim] of heads
+        first_head..first_head+k-1 (V_out = draft_vocab_size for output='draft')."""
+        x = self.dropout(states)
+        if self.config.output == "shared":
+            lm_head = self._refs().lm_head
+            if self.training or torch.is_grad_enabled() or (self.draft_ids is None and self.config.draft_dtype is None):
+                # exact product through the module, on 2-D rows: the base model's CPU fast paths
+                # (runtime.model.Linear) then apply to drafting too, where it is most of a head's cost
+                flat = x.to(lm_head.weight.dtype).reshape(-1, x.shape[-1])
+                logits = lm_head(flat).reshape(*x.shape[:-1], -1)
+                if self.draft_ids is not None:
+                    logits = logits.index_select(-1, self.draft_ids.to(logits.device))
+                return logits
+            return self.draft_output()(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        k = states.shape[-2]
+        return torch.stack([self.heads[first_head - 1 + j].out(x[..., j, :]) for j in range(k)], dim=-2)
+
+    def candidate_logits(self, states: Tensor, candidates: Tensor) -> Tensor:
+        """Logits [M, D, C] of heads 1..D (states [M, D, dim]) for output ids `candidates` [C] only
+        (output-vocabulary ids: draft ids for output='draft'). Training's sampled softmax."""
+        x = self.dropout(states)
+        if self.config.output == "shared":
+            w = self._refs().lm_head.weight
+            rows = candidates.to(w.device)
+            if self.draft_ids is not None:
+                rows = self.draft_ids.to(w.device)[rows]
+            return x.to(w.dtype) @ w[rows].T
+        outs = []
+        for j in range(states.shape[-2]):
+            out = self.heads[j].out
+            b = None if out.bias is None else out.bias[candidates]
+            outs.append(F.linear(x[..., j, :], out.weight[candidates], b))
+        return torch.stack(outs, dim=-2)
+
+    def draft_output(self) -> _DraftOutput:
+        """The inference-time output product of a shared output layer: the base lm_head rows of
+        the draft vocabulary (all rows without one) in the arithmetic `config.draft_dtype` names,
+        built on first use and rebuilt when the heads or the bound model move or change dtype."""
+        lm_head = self._refs().lm_head
+        w = lm_head.weight
+        key = (w.data_ptr(), w.dtype, w.device, self.dtype, self.config.draft_dtype,
+               None if self.draft_ids is None else self.draft_ids.data_ptr())
+        if self._draft_out is None or self._draft_out.key != key:
+            rows = w.detach() if self.draft_ids is None else w.detach()[self.draft_ids.to(w.device)]
+            arith = self.config.draft_dtype
+            if arith == "auto":
+                arith = choose_draft_dtype(rows.shape[0], rows.shape[1], w.device, w.dtype)
+            self._draft_out = _DraftOutput(rows, arith, key)
+        return self._draft_out
+
+    def to_base_logits(self, logits: Tensor) -> Tensor:
+        """Map draft-vocabulary logits [..., V_draft] to base-vocabulary ones (-inf elsewhere)."""
+        if self.draft_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), -math.inf)
+        return full.index_copy_(-1, self.draft_ids.to(logits.device), logits)
+
+    def teacher_forced_logits(self, h: Tensor, next_tokens: Tensor) -> Tensor:
+        """Float32 logits [T, D, V] of every head at every position, given the true tokens.
+
+        h [T, dim] are context vectors (`context()` of the base hidden states; for heads without a
+        prefix layer that is the hidden states themselves); next_tokens [T, D] holds
+        x_{t+1..t+D} (root first); head d reads next_tokens[t, :d]. Medusa ignores next_tokens."""
+        if h.dim() != 2 or h.shape[1] != self.config.hidden_size:
+            raise ValueError(f"h must be [T, {self.config.hidden_size}], got {tuple(h.shape)}")
+        states = self.head_states(h, next_tokens)
+        return self.to_base_logits(self.output_logits(states).float())
+
+    # -- drafting ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers) -> Tensor:
+        """Draft a tree: LongTensor [N] of tokens in node order, index 0 = root_token.
+
+        A depth-d node takes the ranks[node]-th most likely token of head d. Medusa runs all heads
+        once from h; Hydra runs head d on the distinct parents at depth d-1 (their path embeddings
+        batched), so the work is one small batch per depth, with topk only as wide as the tree
+        needs there (`buffers.topk`). Every index comes precomputed with the buffers, which must
+        live on the heads' device: no host synchronisation happens here."""
+        depth = len(buffers.depth_slices)
+        if depth > self.config.num_heads:
+            raise ValueError(f"the tree has depth {depth} but the heads draft only {self.config.num_heads} tokens")
+        if buffers.depths.device != h.device:
+            raise ValueError(f"the tree buffers live on {buffers.depths.device} but the context vector on {h.device}: "
+                             "move them with buffers.to(device) once, not per step")
+        h = h.reshape(1, -1).to(self.dtype)
+        tokens = torch.empty(buffers.num_nodes, dtype=torch.long, device=h.device)
+        tokens[0] = root_token
+        if depth == 0:
+            return tokens
+        v_out = self.config.draft_vocab_size or self.config.vocab_size
+        if max(buffers.topk) > v_out:
+            raise ValueError(f"the tree asks for rank {max(buffers.topk) - 1} but a head has only {v_out} candidates")
+        ranks = buffers.ranks
+
+        if self.config.kind == "medusa":
+            states = self.head_states(h, None, heads=depth)                 # [1, depth, dim]
+            top = self.output_logits(states)[0].topk(max(buffers.topk), dim=-1).indices  # [depth, k]
+            picked = top[buffers.draft_heads, ranks[1:]]
+            tokens[1:] = picked if self.draft_ids is None else self.draft_ids[picked]
+            return tokens
+
+        # Hydra: inputs[i] = concat(h, e(root), e(tokens on node i's path)) for nodes of depth d-1
+        inputs = torch.cat([h, self.embed(tokens[:1])], dim=-1)               # [1, 2*dim]
+        for d, (start, end) in enumerate(buffers.depth_slices, start=1):
+            x = self._blocks(d, inputs.index_select(0, buffers.unique_parents[d - 1]))  # parents with children
+            logits = self.output_logits(x[:, None, :], first_head=d)[:, 0]  # [u, V_out]
+            top = logits.topk(buffers.topk[d - 1], dim=-1).indices
+            picked = top[buffers.parent_inverse[d - 1], ranks[start:end]]
+            tok = picked if self.draft_ids is None else self.draft_ids[picked]
+            tokens[start:end] = tok
+            if d < depth:
+                inputs = torch.cat([inputs.index_select(0, buffers.parent_slots[d - 1]), self.embed(tok)], dim=-1)
+        return tokens
+
+
+class _DraftOutput:
+    """The drafting output product y = x W^T for output rows W [V_out, dim] in one arithmetic:
+
+    * None: W's own dtype, with runtime.model.Linear's CPU float32 fast paths;
+    * "float32": the same in float32;
+    * "bfloat16": W in bfloat16, activations cast (exact to ~3 significant digits);
+    * "int8": W quantised per output row to int8, activations quantised per call (torch's dynamic
+      quantised Linear, fbgemm/x86 kernels; CPU only).
+    Logits come back as float32 except for None, which keeps W's dtype (as the base lm_head does)."""
+
+    def __init__(self, rows: Tensor, arithmetic: str | None, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self.arithmetic = arithmetic
+        dim = rows.shape[1]
+        if arithmetic == "int8":
+            if rows.device.type != "cpu":
+                raise ValueError(f"draft_dtype='int8' runs on the CPU only (heads are on {rows.device}); "
+                                 "use 'bfloat16', 'float32' or 'auto'")
+            self.layer = _int8_linear(rows)
+        elif arithmetic == "bfloat16":
+            self.weight = rows.to(torch.bfloat16).contiguous()
+        else:
+            dtype = rows.dtype if arithmetic is None else torch.float32
+            with torch.device("meta"):  # no throw-away random init of a V_out x dim matrix
+                self.layer = Linear(dim, rows.shape[0], bias=False)
+            self.layer.weight = nn.Parameter(rows.to(dtype).contiguous(), requires_grad=False)
+            if rows.device.type == "cpu" and dtype == torch.float32:
+                self.layer.add_fast_paths()
+            self.layer.requires_grad_(False)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """Logits [n, V_out] for rows x [n, dim]."""
+        if self.arithmetic == "bfloat16":
+            return F.linear(x.to(torch.bfloat16), self.weight).float()
+        if self.arithmetic == "int8":
+            return self.layer(x.float())
+        return self.layer(x.to(self.layer.weight.dtype))
+
+
+def _int8_linear(rows: Tensor) -> nn.Module:
+    """torch's dynamic int8 Linear over rows [V_out, dim] (per-row weight scales)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with torch.device("meta"):
+        lin = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+    lin.weight = nn.Parameter(rows.detach().float().contiguous(), requires_grad=False)
+    with warnings.catch_warnings():  # torch announces the eager API's move to torchao on every call
+        warnings.simplefilter("ignore")
+        q = quantize_dynamic(nn.Sequential(lin), {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    return q.eval()
+
+
+def draft_arithmetics(device: torch.device) -> list[str]:
+    """The drafting arithmetics that run on `device` here (int8 needs torch's x86/fbgemm CPU kernels)."""
+    out = ["float32", "bfloat16"]
+    if device.type == "cpu" and {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):
+        out.append("int8")
+    return out
+
+
+_DRAFT_DTYPE_CHOICE: dict[tuple[Any, ...], str] = {}
+
+
+def choose_draft_dtype(v_out: int, dim: int, device: torch.device, base_dtype: torch.dtype,
+                       repeats: int = 15) -> str:
+    """`draft_dtype: auto`: the fastest drafting arithmetic for a [v_out, dim] output product on
+    this machine, timed on random weights at 1 and 4 rows (a Hydra depth with one parent, a
+    Medusa tree's heads) with interleaved repeats, medians; measured once per process and shape.
+    Any choice keeps decoding lossless; only the drafts, and so the acceptance, can change."""
+    import time
+
+    key = (v_out, dim, str(device), base_dtype)
+    if key in _DRAFT_DTYPE_CHOICE:
+        return _DRAFT_DTYPE_CHOICE[key]
+    gen = torch.Generator().manual_seed(0)
+    rows = (torch.randn(v_out, dim, generator=gen) / math.sqrt(dim)).to(device=device, dtype=base_dtype)
+    layers = {a: _DraftOutput(rows, a, ()) for a in draft_arithmetics(device)}
+    inputs = [torch.randn(n, dim, generator=gen).to(device=device, dtype=base_dtype) for n in (1, 4)]
+    times: dict[str, list[float]] = {a: [] for a in layers}
+    with torch.inference_mode():
+        for layer in layers.values():  # warm-up (first calls allocate and pick kernels)
+            for x in inputs:
+                layer(x)
+        for _ in range(repeats):
+            for a, layer in layers.items():
+                t0 = time.perf_counter()
+                for x in inputs:
+                    layer(x)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[a].append(time.perf_counter() - t0)
+    best = min(times, key=lambda a: sorted(times[a])[len(times[a]) // 2])
+    _DRAFT_DTYPE_CHOICE[key] = best
+    return best
+
+
+def _check_hidden(hidden: Tensor, input_pos: Tensor, dim: int) -> None:
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[2] != dim or hidden.shape[1] == 0:
+        raise ValueError(f"hidden must be [1, n >= 1, {dim}], got {tuple(hidden.shape)}")
+    if input_pos.shape != (hidden.shape[1],):
+        raise ValueError(f"input_pos must have shape [{hidden.shape[1]}], got {tuple(input_pos.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Our own format: config.json + heads.safetensors (no pickle)
+
+
+def check_base_fingerprint(config: HeadsConfig, expected: str | None, where: str = "heads") -> None:
+    """Refuse heads trained on another base model (fingerprints differ). None skips the check."""
+    if expected is None:
+        return
+    if config.base_fingerprint is None:
+        raise ValueError(f"{where} record no base_fingerprint, so they cannot be checked against base model "
+                         f"{expected}; retrain them (or load without a fingerprint to skip the check)")
+    if config.base_fingerprint != expected:
+        raise ValueError(f"{where} were trained on base model {config.base_fingerprint} but the model in use is "
+                         f"{expected}: retrain the heads for this model (e.g. `make heads`)")
+
+
+def save_heads(heads: DraftHeads, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + heads.safetensors (the heads' own weights only, never the shared
+    lm_head or the embeddings), each atomically. `dtype` casts the floating weights (bf16 halves
+    the size of shipped heads)."""
+    from safetensors.torch import save
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for k, v in heads.state_dict().items():
+        v = v.detach()
+        if dtype is not None and v.is_floating_point():
+            v = v.to(dtype)
+        state[k] = v.contiguous().cpu()
+    float_dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
+    if len(float_dtypes) != 1:
+        raise ValueError(f"heads weights mix dtypes {float_dtypes}; cast the heads to one dtype before saving")
+    dtype_name = next(k for k, v in _DTYPES.items() if v in float_dtypes)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype_name, **heads.config.to_dict()}
+    atomic_write_bytes(folder / WEIGHTS_FILE, save(state, metadata={"format": "pt", "entmtp": FORMAT}))
+    atomic_write_bytes(folder / CONFIG_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+    return folder
+
+
+def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
+    """(config, stored dtype name) of a heads folder, validated."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a heads folder holds {CONFIG_FILE} + {WEIGHTS_FILE} "
+                                "(train them with `make heads`; published checkpoints load with runtime.published)")
+    raw = json.loads(path.read_text())
+    if raw.pop("format", None) != FORMAT:
+        raise ValueError(f"{path} is not an EntMTP heads config (its 'format' is not {FORMAT!r}); "
+                         "published Hydra/Medusa folders load with runtime.published.load_published")
+    version = raw.pop("format_version", None)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+    dtype = raw.pop("dtype", None)
+    if dtype not in _DTYPES:
+        raise ValueError(f"{path}: 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    try:
+        return HeadsConfig.from_dict(raw), dtype
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def load_state_strict(module: nn.Module, state: dict[str, Tensor], where: str, assign: bool = False) -> None:
+    """load_state_dict that names every missing / unexpected key and every shape mismatch.
+
+    assign=True hands the given tensors to the module as they are (their dtype and device; for a
+    module built on the `meta` device, which has no storage to copy into)."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    for k in sorted(set(expected) & set(state)):
+        if tuple(state[k].shape) != tuple(expected[k].shape):
+            problems.append(f"{k}: shape {tuple(state[k].shape)}, expected {tuple(expected[k].shape)}")
+        elif state[k].is_floating_point() != expected[k].is_floating_point():
+            problems.append(f"{k}: dtype {state[k].dtype}, expected a {'float' if expected[k].is_floating_point() else 'integer'} tensor")
+    if problems:
+        raise ValueError(f"{where} does not match the heads config: " + "; ".join(problems))
+    if assign:
+        module.load_state_dict(state, strict=True, assign=True)
+    else:
+        module.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+
+
+def build_heads(config: HeadsConfig, state: dict[str, Tensor], where: str, dtype: torch.dtype,
+                device: torch.device | str) -> DraftHeads:
+    """DraftHeads built on the `meta` device (no memory, no random init) that take `state`'s
+    tensors, each cast to `dtype` (floating ones) and placed on `device` as it goes."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        heads = DraftHeads(config)
+    expected = heads.state_dict()
+    placed = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else expected[k].dtype
+                      if k in expected else v.dtype) for k, v in state.items()}
+    load_state_strict(heads, placed, where, assign=True)
+    return heads
+
+
+def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torch.dtype | None = None,
+               base_fingerprint: str | None = None) -> DraftHeads:
+    """Load heads saved by `save_heads`. With `model` they are bound to it (and cast to its dtype
+    unless `dtype` is given); with `base_fingerprint` heads trained on another model are refused."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config, stored = read_heads_config(folder)
+    check_base_fingerprint(config, base_fingerprint, where=f"heads in {folder}")
+    wfile = folder / WEIGHTS_FILE
+    if not wfile.is_file():
+        raise FileNotFoundError(f"{wfile} not found next to {CONFIG_FILE}")
+    state = {}
+    with safe_open(str(wfile), framework="pt") as f:
+        for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            state[k] = f.get_tensor(k)
+    bad = sorted(k for k, v in state.items() if v.is_floating_point() and v.dtype != _DTYPES[stored])
+    if bad:
+        raise ValueError(f"{wfile}: tensors {bad[:5]} are not {stored} as config.json says; the files do not belong together")
+    target = dtype or (model.dtype if model is not None else _DTYPES[stored])
+    heads = build_heads(config, state, str(wfile), target, model.device if model is not None else "cpu")
+    if model is not None:
+        heads.bind(model)
+    return heads.eval().requires_grad_(False)

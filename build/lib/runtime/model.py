@@ -1,0 +1,838 @@
+"""Compact Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) for tree-speculative decoding.
+
+Batch size 1. The KV cache is preallocated once for every layer, in one tensor
+`[layers, 2 (K/V), kv_heads, max_seq_len, head_dim]`, so that compacting it after a tree verify
+is a single gather. A forward call appends its n new tokens at cache slots
+`cache_len .. cache_len+n-1` (in input order); each new token attends to every committed slot and,
+among the new ones, to those its row of `mask` allows. Positions are explicit, so a tree node at
+depth d sits at RoPE position `cache_len + d` while occupying any slot.
+
+On CPU in float32, `load_model` also keeps a transposed copy of every weight matrix, because the
+one-token product is markedly faster against it (see `Linear`); pass fast_paths=False to save
+that memory.
+
+Only torch, safetensors and tokenizers are imported here (the runtime's dependency rule).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None for plain RoPE, else {"rope_type": "linear"|"llama3", "factor": ..., ...} (HF keys)
+    rope_scaling: dict[str, Any] | None = None
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v only
+    o_bias: bool = False  # Llama `attention_bias: true` also puts a bias on o_proj
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # Mistral: we refuse caches longer than the window
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelArgs.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type")
+            if kind not in ("linear", "llama3"):
+                raise ValueError(f"rope_scaling type {kind!r} is not supported; use None, 'linear' or 'llama3'")
+            if "factor" not in self.rope_scaling:
+                raise ValueError(f"rope_scaling {self.rope_scaling} lacks 'factor'")
+            if kind == "llama3":
+                missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                           if k not in self.rope_scaling]
+                if missing:
+                    raise ValueError(f"llama3 rope_scaling lacks {', '.join(missing)}")
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Read a Hugging Face `config.json` dict (transformers 4 or 5 layout)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not supported; this runtime handles "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family) checkpoints")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; only SwiGLU (silu) MLPs are")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported by this runtime")
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}; is this a Llama-family config?")
+
+        theta, scaling = _read_rope(cfg)
+        dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=cfg.get("sliding_window") if model_type == "mistral" else None,
+        )
+
+
+def _read_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either layout: transformers 4 keeps `rope_theta` at the top level and
+    the scaling in `rope_scaling` ({"type"|"rope_type": ...}); transformers 5 puts both in
+    `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported (not a Llama-family config)")
+    legacy = cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    source = legacy or params
+    kind = source.get("rope_type", source.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {kind!r} is not supported; use one of {', '.join(SUPPORTED_ROPE_TYPES)} "
+                         "(dynamic/yarn/longrope scaling depends on the sequence length and is left out)")
+    if float(source.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return float(theta), None
+    scaling = {k: v for k, v in source.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = kind
+    if kind == "llama3":
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    return float(theta), scaling
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device | str = "cpu") -> Tensor:
+    """Per-pair inverse frequencies (float32, [head_dim/2], on `device`) with the checkpoint's scaling applied."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(args: ModelArgs, max_len: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """cos and sin tables [max_len, head_dim] in float32 (each frequency repeated for both halves)."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), rope_inv_freq(args, device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate `x` [n, heads, head_dim] by cos/sin [n, 1, head_dim] (rotate-half convention), in float32."""
+    x = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers. Inside the model activations are 2-D [n, dim]: batch size is always 1, and a plain
+# matrix product is the cheapest call on the one-token path.
+
+
+# Rows up to which `Linear` multiplies as W @ x^T (see there).
+SMALL_ROWS = 32
+
+
+class Linear(nn.Linear):
+    """nn.Linear that picks its matrix product by the number of input rows once `add_fast_paths`
+    ran (CPU, float32). Measured on this project's 2-core AVX2 machines with MKL, for the whole
+    SmolLM2 weight set:
+    * one row: x @ W_t with a contiguous [in, out] copy W_t is 1.2-2x (typically ~1.4x) faster
+      than F.linear, which multiplies against the [out, in] weight transposed; the copy doubles
+      the weight memory;
+    * 2..SMALL_ROWS rows: (W @ x^T)^T (one pass over W computing all rows) beats F.linear by
+      1.2-1.8x; it returns a transposed (non-contiguous) view, which the callers accept;
+    * more rows (prefill): F.linear.
+    Results differ from F.linear's by float rounding only (~1e-6 relative). Without
+    `add_fast_paths` (GPU, bf16: bf16 products against W_t are ~10x slower here) it is exactly
+    nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("weight_t", None, persistent=False)  # a buffer, so .to(device) moves it
+
+    def add_fast_paths(self) -> None:
+        """Keep the transposed copy (call again if the weight changes; the runtime never trains)."""
+        self.weight_t = self.weight.detach().t().contiguous()
+
+    def forward(self, x: Tensor) -> Tensor:
+        wt = self.weight_t
+        # (a float32 check: after a cast to bf16 these products would fall to a slow generic kernel)
+        if wt is not None and wt.dtype == torch.float32 and x.dim() == 2:
+            n = x.shape[0]
+            if n == 1:
+                y = x @ wt
+            elif n <= SMALL_ROWS:
+                y = (self.weight @ x.t()).t()
+            else:
+                return F.linear(x, self.weight, self.bias)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # one C++ call instead of five Python-dispatched ones (it matters on the one-token path);
+        # it computes the statistics in float32 for bf16/fp16 inputs too
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+# (module shapes, dtype, device, block rows, call rows) -> whether one call over that many rows gives
+# each row bit for bit what calls on blocks of `block rows` give (see `by_row_blocks`)
+_CALL_MATCHES_BLOCKS: dict[tuple, bool] = {}
+# (module shapes, dtype, device, block rows, total rows) -> the rows per call `by_row_blocks` uses
+_CALL_WIDTH: dict[tuple, int] = {}
+
+
+def _module_key(fn: nn.Module, x: Tensor, rows: int) -> tuple:
+    return (tuple(tuple(p.shape) for p in fn.parameters()), x.dtype, x.device.type, rows)
+
+
+def _call_matches_blocks(fn: nn.Module, x: Tensor, rows: int, width: int) -> bool:
+    """Whether one call of fn over `width` rows (a multiple of `rows`) rounds every row as calls on
+    blocks of `rows` rows do, probed once per shape on random rows. For width == rows it checks
+    that a row's result does not depend on its place in the block, without which no padded row
+    count makes the forward row-invariant (raises: pick another `invariant_rows`)."""
+    key = (*_module_key(fn, x, rows), width)
+    ok = _CALL_MATCHES_BLOCKS.get(key)
+    if ok is None:
+        g = torch.Generator(device=x.device).manual_seed(width)
+        probe = torch.randn(width, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
+        with torch.no_grad():
+            whole = fn(probe)
+            if width == rows:
+                ok = bool(torch.equal(fn(probe.roll(1, 0)), whole.roll(1, 0)))
+                if not ok:
+                    raise RuntimeError(
+                        f"row invariance with blocks of {rows} rows is impossible here: this machine's "
+                        f"{x.dtype} matrix product rounds a row differently by its place in a {rows}-row call; "
+                        "set another invariant_rows (e.g. 8 or 16), or lossless=numerical")
+            else:
+                ok = bool(torch.equal(whole, torch.cat([fn(probe[i:i + rows]) for i in range(0, width, rows)])))
+        _CALL_MATCHES_BLOCKS[key] = ok
+    return ok
+
+
+def by_row_blocks(fn: nn.Module, x: Tensor, rows: int) -> Tensor:
+    """fn (a per-row module: a Linear, the feed-forward) on x, whose row count is a multiple of
+    `rows`, with each row's result exactly as fn computes it on blocks of `rows` rows.
+
+    Separate calls per block cost nearly a whole call each on a CPU (the kernel reads all the
+    weights again every call), while one call over many rows costs little more than one block.
+    Whether a wider call rounds like the blocks depends on how the kernel tiles rows (on one AVX2
+    machine with MKL, 4 to 11 rows round alike and 12 or more otherwise), so it is probed, not
+    assumed: the widest call that rounds like the blocks is used, in as few calls as possible."""
+    n = x.shape[0]
+    key = (*_module_key(fn, x, rows), n)
+    width = _CALL_WIDTH.get(key)
+    if width is None:
+        width = rows
+        for w in range(n, rows, -rows):  # widest first; the remainder call must match too
+            rest = n % w
+            if _call_matches_blocks(fn, x, rows, w) and (rest == 0 or rest == rows or _call_matches_blocks(fn, x, rows, rest)):
+                width = w
+                break
+        _call_matches_blocks(fn, x, rows, rows)  # the block itself: a row's place must not matter
+        _CALL_WIDTH[key] = width
+    if width >= n:
+        return fn(x)
+    return torch.cat([fn(x[i:i + width]) for i in range(0, n, width)])
+
+
+@dataclass
+class RowPlan:
+    """How one row-invariant forward (see `Transformer.set_row_invariance`) attends: shared by all
+    layers. `groups` holds (row indices, key slots [r, L]) per key count L: each listed row attends
+    to exactly those cache slots, in that order (the committed prefix, then its ancestors among the
+    new tokens by depth, itself last), which is the order AR holds the same keys in. Pad rows
+    (`real` and after) are in no group: they exist for the matrix products' row count only."""
+
+    write_at: int   # cache slot of row 0's K/V
+    real: int       # rows that are tokens; the rest are padding
+    groups: list[tuple[Tensor, Tensor]]
+    block: int      # the padded row count every matrix product sees (`by_row_blocks`)
+
+
+def row_plan(start: int, ancestors: list[list[int]], device: torch.device, block: int) -> RowPlan:
+    """The plan for the new tokens of a forward that appends after `start` committed slots;
+    ancestors[i] lists the new tokens (indices, increasing, i itself last) token i attends to;
+    `block` is the row count of every matrix product."""
+    by_count: dict[int, list[int]] = {}
+    for i, anc in enumerate(ancestors):
+        by_count.setdefault(len(anc), []).append(i)
+    prefix = torch.arange(start, device=device)
+    groups = []
+    for count, members in by_count.items():
+        tail = torch.tensor([[start + j for j in ancestors[i]] for i in members], dtype=torch.long, device=device)
+        keys = torch.cat([prefix.expand(len(members), start), tail], dim=1)
+        groups.append((torch.tensor(members, dtype=torch.long, device=device), keys))
+    return RowPlan(write_at=start, real=len(ancestors), groups=groups, block=block)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        # q, k and v in one matrix product: one call instead of three on the latency-bound path
+        self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=args.qkv_bias)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: Tensor | None) -> Tensor:
+        """x [n, dim]; kv is this layer's cache [2, kv_heads, max_seq, head_dim]; mask [groups*n, start+n]
+        (rows ordered group-major, see `Transformer._attention_mask`) or None = attend to everything."""
+        n = x.shape[0]
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(n, h + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
+        end = start + n
+        kv[0, :, start:end] = qk[:, h:].transpose(0, 1)
+        kv[1, :, start:end] = qkv[:, h + kvh:].transpose(0, 1)
+        # GQA without copying K/V: the query heads sharing a KV head are stacked along the query
+        # axis, so attention runs per KV head over [groups*n] query rows.
+        # (4-D inputs: SDPA's fused CPU kernel only takes those; 3-D ones fall back to the math path)
+        groups = h // kvh
+        q = qk[:, :h].view(n, kvh, groups, hd).permute(1, 2, 0, 3).reshape(1, kvh, groups * n, hd)
+        out = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask)
+        out = out.view(kvh, groups, n, hd).permute(2, 0, 1, 3).reshape(n, h * hd)
+        return self.wo(out)
+
+    def forward_invariant(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
+        """Row-invariant attention (see `RowPlan`): x has the plan's padded row count; only its first
+        `plan.real` rows' K/V are written (at slots `plan.write_at ...`); every row attends over
+        its own keys gathered in logical order, one SDPA call per key count, without a mask."""
+        rows = x.shape[0]
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        groups = h // kvh
+        qkv = by_row_blocks(self.wqkv, x, plan.block).view(rows, h + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
+        at, real = plan.write_at, plan.real
+        kv[0, :, at:at + real] = qk[:real, h:].transpose(0, 1)
+        kv[1, :, at:at + real] = qkv[:real, h + kvh:].transpose(0, 1)
+        q = qk[:, :h].view(rows, kvh, groups, hd)
+        out = torch.empty_like(q)
+        for members, keys in plan.groups:
+            r, length = keys.shape
+            # [kvh, r*L, hd] -> [r, kvh, L, hd]: each row's keys, in the order AR would hold them
+            k = kv[0].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
+            v = kv[1].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
+            out[members] = F.scaled_dot_product_attention(q[members], k, v)
+        return by_row_blocks(self.wo, out.reshape(rows, h * hd), plan.block)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, mask: Tensor | None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv, start, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward_invariant(self, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
+        x = x + self.attention.forward_invariant(self.attention_norm(x), cos, sin, kv, plan)
+        return x + by_row_blocks(self.feed_forward, self.ffn_norm(x), plan.block)
+
+
+class Transformer(nn.Module):
+    """Llama-family causal LM, batch size 1, with a preallocated KV cache (see module docstring)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # an inference runtime: the base model is frozen, so no autograd graph is ever built
+        self.requires_grad_(False)
+        self.register_buffer("kv_cache", None, persistent=False)
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self._layer_caches: list[Tensor] = []
+        self._cache_len = 0
+        self.max_seq_len = 0
+        self.invariant_rows: int | None = None  # see set_row_invariance
+
+    # -- cache ------------------------------------------------------------------------------
+
+    def setup_cache(self, max_seq_len: int) -> None:
+        """Allocate the KV cache for `max_seq_len` positions (in the weights' dtype) and empty it."""
+        if not isinstance(max_seq_len, int) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        a = self.args
+        if max_seq_len > a.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
+                             f"{a.max_position_embeddings}; ask for a shorter cache")
+        if a.sliding_window is not None and max_seq_len > a.sliding_window:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the sliding window {a.sliding_window}, "
+                             "which this runtime does not implement; ask for a shorter cache")
+        weight = self.output.weight
+        self.kv_cache = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq_len, a.head_dim,
+                                    dtype=weight.dtype, device=weight.device)
+        self._layer_caches = list(self.kv_cache.unbind(0))  # views, so the big tensor stays the one truth
+        self.rope_cos, self.rope_sin = rope_tables(a, max_seq_len, weight.device)
+        self.max_seq_len = max_seq_len
+        self._cache_len = 0
+
+    @property
+    def cache_len(self) -> int:
+        """Number of committed positions in the KV cache."""
+        return self._cache_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.output.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.output.weight.dtype
+
+    def reset_cache(self) -> None:
+        self._cache_len = 0
+
+    def add_fast_paths(self) -> None:
+        """Switch every Linear to the row-count-dependent products (worth it on CPU in float32;
+        costs a second copy of the weights, see `Linear`)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.add_fast_paths()
+
+    def set_row_invariance(self, rows: int | None) -> None:
+        """Make every decode forward compute each token's row bit-identically however many tokens
+        the call holds and wherever they sit (None: off, the fastest arithmetic).
+
+        Matrix-product kernels block their work by the number of rows, so the same row rounds
+        differently in a 1-row and an N-row product, and attention over a tree's masked slots sums
+        its keys in another order than over AR's contiguous cache. With `rows` = P set, a forward of
+        n <= P tokens is padded to exactly P rows (pad rows' K/V are never written), a larger one
+        to the next multiple of P, every matrix product runs on blocks of P rows, and each token attends over its own keys gathered in logical order
+        (prefix, then its ancestors by depth), with no mask. AR decoding (one token) and every tree
+        verify then produce the same logits for the same position in any dtype. A prefill (mask
+        None, more than one token) keeps the ordinary path: AR and tree decoding share it."""
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ValueError(f"row invariance takes a positive padded row count or None, got {rows!r}")
+        if rows is not None:  # fail now, not by diverging later, where this machine's products cannot do it
+            layer = self.layers[0]
+            for fn in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward, self.output):
+                width = next(p for p in fn.parameters() if p.dim() == 2).shape[1]
+                _call_matches_blocks(fn, torch.empty(rows, width, dtype=self.dtype, device=self.device), rows, rows)
+        self.invariant_rows = rows
+
+    def truncate_cache(self, length: int) -> None:
+        """Forget every slot from `length` on."""
+        if not 0 <= length <= self._cache_len:
+            raise ValueError(f"cannot truncate the cache to {length}: it holds {self._cache_len} positions")
+        self._cache_len = int(length)
+
+    def keep_cache(self, start: int, keep: Tensor) -> None:
+        """After a tree verify: move slots `start + keep[i]` to `start + i` for every layer in one
+        gather, then set cache_len = start + len(keep). `keep` must be increasing offsets (a path
+        root..leaf in node order). Checks the offsets' values, which reads them on the host; the
+        decoder's step uses `compact_cache`, whose indices come checked with the compiled tree."""
+        if keep.dim() != 1 or keep.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"keep must be a 1-D integer tensor, got shape {tuple(keep.shape)} dtype {keep.dtype}")
+        if not 0 <= start <= self._cache_len:
+            raise ValueError(f"start {start} is outside the committed cache [0, {self._cache_len}]")
+        m, avail = keep.numel(), self._cache_len - start
+        if m > avail:
+            raise ValueError(f"cannot keep {m} slots: only {avail} were written after start {start}")
+        if m:
+            lo, hi = int(keep.min()), int(keep.max())
+            if lo < 0 or hi >= avail:
+                raise ValueError(f"keep offsets must lie in [0, {avail}); got min {lo} max {hi}")
+            self.compact_cache(start, keep.to(device=self.kv_cache.device, dtype=torch.int64))
+        self._cache_len = start + m
+
+    def compact_cache(self, start: int, offsets: Tensor) -> None:
+        """Copy slots `start + offsets[i]` to `start + i` (all layers, one gather) and set cache_len
+        = start + len(offsets). `offsets` is an int64 tensor on the cache's device whose values are
+        trusted (they are not read on the host, so that this never waits for the device): each must
+        lie in [0, cache_len - start). The copy goes through a gathered temporary, so any order of
+        offsets is safe. Shorten afterwards with `truncate_cache` when only a prefix is kept."""
+        m, avail = offsets.numel(), self._cache_len - start
+        if offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.device != self.kv_cache.device:
+            raise ValueError(f"offsets must be a 1-D int64 tensor on {self.kv_cache.device}, got "
+                             f"{tuple(offsets.shape)} {offsets.dtype} on {offsets.device}")
+        if not 0 <= start <= self._cache_len or m > avail:
+            raise ValueError(f"cannot compact {m} slots after start {start}: the cache holds {self._cache_len}")
+        if m:
+            self.kv_cache[:, :, :, start:start + m] = self.kv_cache.index_select(3, offsets + start)
+        self._cache_len = start + m
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def _attention_mask(self, mask: Tensor | None, start: int, n: int, check: bool) -> Tensor | None:
+        """Boolean mask [groups*n, start+n] for SDPA (True = may attend), or None for one token
+        that sees everything. Built once per call and shared by all layers."""
+        if mask is not None:
+            if mask.shape != (n, n) or mask.dtype != torch.bool:
+                raise ValueError(f"mask must be a bool tensor of shape ({n}, {n}), got {tuple(mask.shape)} "
+                                 f"{mask.dtype}")
+            if check and not bool(mask.diagonal().all()):
+                raise ValueError("mask must let every new token attend to itself (its diagonal must be True)")
+        if n == 1:
+            return None
+        full = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+        if mask is None:
+            full[:, start:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        else:
+            full[:, start:] = mask
+        groups = self.args.n_groups
+        return full.repeat(groups, 1) if groups > 1 else full
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
+                last_only: bool = False, check_mask: bool = True) -> tuple[Tensor, Tensor]:
+        """Run n new tokens. tokens [1, n] (int64), input_pos [n] absolute RoPE positions, mask
+        [n, n] bool over the new tokens (None = causal). Appends their K/V after the committed
+        cache and advances cache_len by n. check_mask=False skips the check that the mask's
+        diagonal is set, which reads it on the host: for masks checked once already (a compiled
+        tree's, see `runtime.tree.TreeBuffers`).
+
+        Returns (logits [1, n, V] float32, hidden [1, n, dim]) where hidden is the final-normed
+        state the lm_head reads. With last_only=True the logits are for the last token only
+        ([1, 1, V]); hidden is still returned for all n (a prefill needs only one row of logits).
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated: call setup_cache(max_seq_len) first")
+        if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must have shape [1, n] with n >= 1 (batch size 1), got {tuple(tokens.shape)}")
+        n = tokens.shape[1]
+        if input_pos.shape != (n,):
+            raise ValueError(f"input_pos must have shape [{n}], got {tuple(input_pos.shape)}")
+        start = self._cache_len
+        if start + n > self.max_seq_len:
+            raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
+                             "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
+        if self.invariant_rows is not None and (mask is not None or n == 1):
+            return self._forward_invariant(tokens, input_pos, mask, last_only)
+        attn_mask = self._attention_mask(mask, start, n, check_mask)
+        cos = self.rope_cos[input_pos].unsqueeze(1)
+        sin = self.rope_sin[input_pos].unsqueeze(1)
+
+        x = self.tok_embeddings(tokens[0])
+        for layer, kv in zip(self.layers, self._layer_caches):
+            x = layer(x, cos, sin, kv, start, attn_mask)
+        self._cache_len = start + n
+        hidden = self.norm(x)
+        logits = self.output(hidden[-1:] if last_only else hidden).float()
+        return logits.unsqueeze(0), hidden.unsqueeze(0)
+
+
+    def _forward_invariant(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None,
+                           last_only: bool) -> tuple[Tensor, Tensor]:
+        """`forward` under row invariance (see `set_row_invariance`): the tokens padded to a multiple
+        of `invariant_rows` rows, every matrix product on blocks of that many. Reads the mask on the host."""
+        rows = self.invariant_rows
+        assert rows is not None
+        n, start, dev = tokens.shape[1], self._cache_len, self.device
+        if mask is None:
+            ancestors = [list(range(i + 1)) for i in range(n)]
+        else:
+            m = mask.cpu()
+            ancestors = [m[i, : i + 1].nonzero().flatten().tolist() for i in range(n)]
+            if any(a[-1:] != [i] for i, a in enumerate(ancestors)) or bool(m.triu(1).any()):
+                raise ValueError("under row invariance the mask must let each token attend to itself and to earlier "
+                                 "tokens only (a tree in node order)")
+        padded = -(-n // rows) * rows
+        plan = row_plan(start, ancestors, dev, rows)
+        pad = padded - n
+        if pad:  # pad rows repeat the first token; their results are dropped
+            tokens = torch.cat([tokens[0], tokens[0, :1].expand(pad)])[None]
+            input_pos = torch.cat([input_pos, input_pos[:1].expand(pad)])
+        cos = self.rope_cos[input_pos].unsqueeze(1)
+        sin = self.rope_sin[input_pos].unsqueeze(1)
+        x = self.tok_embeddings(tokens[0])
+        for layer, kv in zip(self.layers, self._layer_caches):
+            x = layer.forward_invariant(x, cos, sin, kv, plan)
+        hidden = self.norm(x)
+        # the lm_head too sees blocks of `rows` rows, so a token's logits do not depend on n
+        if last_only:  # only the block holding the last token goes through the lm_head
+            first = (n - 1) // rows * rows
+            out = self.output(hidden[first:first + rows])[n - 1 - first:n - first].float()
+        else:
+            out = by_row_blocks(self.output, hidden, rows)[:n].float()
+        self._cache_len = start + n
+        return out.unsqueeze(0), hidden[:n].unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the CPUs this process may use (containers, taskset)
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+_THREADS_SET = False
+
+
+def _set_threads_once() -> None:
+    global _THREADS_SET
+    if not _THREADS_SET:
+        torch.set_num_threads(_threads())
+        _THREADS_SET = True
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: pass a Hugging Face model folder (config.json + safetensors)")
+    cfg = json.loads(cfg_file.read_text())
+    # the generation config may add stop tokens (e.g. chat models that end turns with a second id)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        extra = json.loads(gen_file.read_text()).get("eos_token_id")
+        base = cfg.get("eos_token_id")
+        ids = [] if base is None else [base] if isinstance(base, int) else list(base)
+        for t in [] if extra is None else [extra] if isinstance(extra, int) else extra:
+            if t not in ids:
+                ids.append(t)
+        cfg = {**cfg, "eos_token_id": ids}
+    return cfg
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}; this runtime loads safetensors only (no pickle)")
+    return files
+
+
+class _CheckpointReader:
+    """Reads a model folder's safetensors one tensor at a time, single-file or sharded (a
+    `model.safetensors.index.json` names each tensor's shard).
+
+    Each read opens its file, copies the one tensor out and closes it again: the memory-mapped
+    pages of a shard are released after every tensor instead of accumulating to the whole shard,
+    so the host never holds more than the weights already placed plus one tensor in flight."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self._open = safe_open
+        index = path / "model.safetensors.index.json"
+        self.file_of: dict[str, Path] = {}
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index} has no weight_map; is it a Hugging Face sharded-checkpoint index?")
+            for key, name in weight_map.items():
+                f = path / name
+                if not f.is_file():
+                    raise FileNotFoundError(f"{index} names shard {name} for {key}, but {f} does not exist")
+                self.file_of[key] = f
+        else:
+            for f in _safetensors_files(path):
+                with safe_open(str(f), framework="pt") as st:
+                    for key in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                        self.file_of[key] = f
+
+    def shape(self, key: str) -> list[int]:
+        with self._open(str(self.file_of[key]), framework="pt") as st:
+            return list(st.get_slice(key).get_shape())
+
+    def read(self, key: str) -> Tensor:
+        with self._open(str(self.file_of[key]), framework="pt") as st:
+            return st.get_tensor(key)
+
+
+# HF checkpoint keys that carry no weights we need
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _load_hf_weights(reader: _CheckpointReader, args: ModelArgs, dtype: torch.dtype,
+                     device: torch.device) -> dict[str, Tensor]:
+    """This module's state dict from a HF Llama/Qwen2 checkpoint, every tensor made directly in
+    `dtype` on `device`; q/k/v and gate/up are fused into preallocated matrices part by part."""
+    used: set[str] = set()
+
+    def check(key: str) -> None:
+        if key not in reader.file_of:
+            raise ValueError(f"checkpoint lacks {key!r}; is it a {args.n_layers}-layer Llama-family model?")
+        used.add(key)
+
+    def take(key: str) -> Tensor:
+        check(key)
+        return reader.read(key).to(device=device, dtype=dtype)
+
+    def fused(keys: list[str]) -> Tensor:
+        for k in keys:
+            check(k)
+        shapes = [reader.shape(k) for k in keys]
+        rows = sum(s[0] for s in shapes)
+        out = torch.empty(rows, *shapes[0][1:], dtype=dtype, device=device)
+        at = 0
+        for k, shape in zip(keys, shapes):
+            if list(shape[1:]) != list(shapes[0][1:]):
+                raise ValueError(f"checkpoint tensor {k} has shape {shape}, which cannot be stacked with "
+                                 f"{keys[0]} {shapes[0]}")
+            out[at:at + shape[0]].copy_(reader.read(k))  # converts dtype and moves in one copy
+            at += shape[0]
+        return out
+
+    out = {"tok_embeddings.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    for i in range(args.n_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        out[q + "attention_norm.weight"] = take(p + "input_layernorm.weight")
+        out[q + "ffn_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        out[q + "attention.wqkv.weight"] = fused([p + f"self_attn.{x}_proj.weight" for x in "qkv"])
+        if args.qkv_bias:
+            out[q + "attention.wqkv.bias"] = fused([p + f"self_attn.{x}_proj.bias" for x in "qkv"])
+        out[q + "attention.wo.weight"] = take(p + "self_attn.o_proj.weight")
+        if args.o_bias:
+            out[q + "attention.wo.bias"] = take(p + "self_attn.o_proj.bias")
+        out[q + "feed_forward.w13.weight"] = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+        out[q + "feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+    if args.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints still store a copy; the embedding wins, as in HF
+        out["output.weight"] = out["tok_embeddings.weight"]
+    elif "lm_head.weight" in reader.file_of:
+        out["output.weight"] = take("lm_head.weight")
+    else:
+        raise ValueError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
+    unexpected = sorted(k for k in set(reader.file_of) - used if not k.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise ValueError(f"checkpoint has weights this runtime does not know: {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''}")
+    return out
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, max_seq_len: int = 2048,
+               device: str | torch.device = "cpu", fast_paths: bool | None = None) -> Transformer:
+    """Load a Hugging Face Llama-family folder (config.json + *.safetensors, one file or shards
+    with `model.safetensors.index.json`) and allocate its cache.
+
+    The module is built on the `meta` device (no memory, no random init) and takes the weights
+    with `load_state_dict(assign=True)`; each weight is read, cast and placed on `device` one
+    tensor at a time, so the host holds at most the weights (on a CPU) plus one tensor.
+
+    fast_paths: keep transposed weight copies for faster CPU decoding (see `Linear`); None = on
+    for float32 on CPU, where it was measured to pay off, off otherwise."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    _set_threads_once()
+    path = Path(path)
+    device = torch.device(device)
+    args = ModelArgs.from_hf_config(_read_config(path))
+    state = _load_hf_weights(_CheckpointReader(path), args, dtype, device)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    if args.tie_embeddings:  # assign=True replaced the embedding Parameter; point the head at it again
+        model.output.weight = model.tok_embeddings.weight
+    model.requires_grad_(False)
+    model.eval()
+    if fast_paths is None:
+        fast_paths = dtype == torch.float32 and model.device.type == "cpu"
+    if fast_paths:
+        model.add_fast_paths()
+    model.setup_cache(max_seq_len)
+    return model
+
+
+def load_tokenizer(path: str | Path):  # -> tokenizers.Tokenizer
+    """The fast tokenizer of a model folder (or a tokenizer.json path)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: the runtime needs the model's tokenizer.json")
+    return Tokenizer.from_file(str(file))
