@@ -305,7 +305,8 @@ class TreeDecoder:
             buf = self.trees[k]
             start = model.cache_len
             tokens = heads.propose(h, root, buf)
-            logits, hidden = model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False)
+            logits, hidden = model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False,
+                                   ancestors=buf.ancestor_lists)
             best, bonus = self._accept(buf, tokens, logits[0], sampler, len(result.tokens))
             path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
             # move the path's K/V to the front now (all D+1 slots; the padding is cut below)

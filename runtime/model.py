@@ -325,19 +325,27 @@ class RowPlan:
     block: int      # the padded row count every matrix product sees (`by_row_blocks`)
 
 
+# ancestor lists (a tree's shape) -> per key count: (row indices, the rows' new-token keys as offsets
+# from the first new slot), on each device: built once per tree, so a step copies nothing to the device
+_ROW_GROUPS: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+
+
 def row_plan(start: int, ancestors: list[list[int]], device: torch.device, block: int) -> RowPlan:
     """The plan for the new tokens of a forward that appends after `start` committed slots;
     ancestors[i] lists the new tokens (indices, increasing, i itself last) token i attends to;
     `block` is the row count of every matrix product."""
-    by_count: dict[int, list[int]] = {}
-    for i, anc in enumerate(ancestors):
-        by_count.setdefault(len(anc), []).append(i)
+    shape = (tuple(map(tuple, ancestors)), str(device))
+    rel = _ROW_GROUPS.get(shape)
+    if rel is None:
+        by_count: dict[int, list[int]] = {}
+        for i, anc in enumerate(ancestors):
+            by_count.setdefault(len(anc), []).append(i)
+        rel = [(torch.tensor(members, dtype=torch.long, device=device),
+                torch.tensor([ancestors[i] for i in members], dtype=torch.long, device=device))
+               for members in by_count.values()]
+        _ROW_GROUPS[shape] = rel
     prefix = torch.arange(start, device=device)
-    groups = []
-    for count, members in by_count.items():
-        tail = torch.tensor([[start + j for j in ancestors[i]] for i in members], dtype=torch.long, device=device)
-        keys = torch.cat([prefix.expand(len(members), start), tail], dim=1)
-        groups.append((torch.tensor(members, dtype=torch.long, device=device), keys))
+    groups = [(members, torch.cat([prefix.expand(len(members), start), tail + start], dim=1)) for members, tail in rel]
     return RowPlan(write_at=start, real=len(ancestors), groups=groups, block=block)
 
 
@@ -570,12 +578,14 @@ class Transformer(nn.Module):
         return full.repeat(groups, 1) if groups > 1 else full
 
     def forward(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None = None,
-                last_only: bool = False, check_mask: bool = True) -> tuple[Tensor, Tensor]:
+                last_only: bool = False, check_mask: bool = True,
+                ancestors: list[list[int]] | None = None) -> tuple[Tensor, Tensor]:
         """Run n new tokens. tokens [1, n] (int64), input_pos [n] absolute RoPE positions, mask
         [n, n] bool over the new tokens (None = causal). Appends their K/V after the committed
         cache and advances cache_len by n. check_mask=False skips the check that the mask's
         diagonal is set, which reads it on the host: for masks checked once already (a compiled
-        tree's, see `runtime.tree.TreeBuffers`).
+        tree's, see `runtime.tree.TreeBuffers`). `ancestors` (the mask as lists, `TreeBuffers.
+        ancestor_lists`) spares the row-invariant forward its read of the mask on the host.
 
         Returns (logits [1, n, V] float32, hidden [1, n, dim]) where hidden is the final-normed
         state the lm_head reads. With last_only=True the logits are for the last token only
@@ -593,7 +603,7 @@ class Transformer(nn.Module):
             raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
                              "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
         if self.invariant_rows is not None and (mask is not None or n == 1):
-            return self._forward_invariant(tokens, input_pos, mask, last_only)
+            return self._forward_invariant(tokens, input_pos, mask, last_only, ancestors)
         attn_mask = self._attention_mask(mask, start, n, check_mask)
         cos = self.rope_cos[input_pos].unsqueeze(1)
         sin = self.rope_sin[input_pos].unsqueeze(1)
@@ -608,13 +618,16 @@ class Transformer(nn.Module):
 
 
     def _forward_invariant(self, tokens: Tensor, input_pos: Tensor, mask: Tensor | None,
-                           last_only: bool) -> tuple[Tensor, Tensor]:
+                           last_only: bool, ancestors: list[list[int]] | None = None) -> tuple[Tensor, Tensor]:
         """`forward` under row invariance (see `set_row_invariance`): the tokens padded to a multiple
-        of `invariant_rows` rows, every matrix product on blocks of that many. Reads the mask on the host."""
+        of `invariant_rows` rows, every matrix product on blocks of that many. Reads the mask on the
+        host unless `ancestors` (each new token's ancestors among the new tokens, itself last) is given."""
         rows = self.invariant_rows
         assert rows is not None
         n, start, dev = tokens.shape[1], self._cache_len, self.device
-        if mask is None:
+        if ancestors is not None:
+            pass  # a compiled tree's, checked when it was compiled (`TreeBuffers.ancestor_lists`)
+        elif mask is None:
             ancestors = [list(range(i + 1)) for i in range(n)]
         else:
             m = mask.cpu()

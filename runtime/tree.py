@@ -257,6 +257,7 @@ class TreeBuffers:
     unique_parents: list[torch.Tensor] = field(init=False, repr=False)  # index d-1: distinct parent_slots
     parent_inverse: list[torch.Tensor] = field(init=False, repr=False)  # index d-1: parent_slots -> unique_parents row
     draft_heads: torch.Tensor = field(init=False, repr=False)  # int64 [N-1]: head (0-based) drafting node i+1
+    ancestor_lists: list[list[int]] = field(init=False, repr=False)  # node i: its ancestors' indices, root first, i last
 
     def __post_init__(self) -> None:
         """Check the mask once (every node attends to itself and its ancestors only: the model's
@@ -279,6 +280,7 @@ class TreeBuffers:
         if not torch.equal(mask, ancestors):
             raise TreeError("tree buffers: attn_mask is inconsistent with the tree that parents describe (each node must "
                             "attend exactly to itself and its ancestors)")
+        self.ancestor_lists = paths  # the mask as lists, for the row-invariant forward (no host read per step)
         width = len(self.depth_slices) + 1
         if any(len(p) > width for p in paths):
             raise TreeError(f"tree buffers: a node lies deeper than the {len(self.depth_slices)} depth slices")

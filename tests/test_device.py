@@ -33,13 +33,19 @@ def _steps_syncs(dec: TreeDecoder, choose, n: int = 40) -> tuple[list[int], Devi
     return res.tokens, check, [b - a for a, b in zip(marks, marks[1:])]
 
 
-@pytest.mark.parametrize("kind,prefix", [("hydra", False), ("medusa", False), ("hydra", True)])
-def test_decode_step_is_device_clean_with_one_sync(kind: str, prefix: bool) -> None:
+@pytest.mark.parametrize("kind,prefix,rows", [("hydra", False, None), ("medusa", False, None), ("hydra", True, None),
+                                              ("hydra", False, 4)])
+def test_decode_step_is_device_clean_with_one_sync(kind: str, prefix: bool, rows: int | None) -> None:
+    """rows: the row-invariant forward (lossless=exact), which reads a compiled tree's ancestors
+    from its buffers instead of its mask, and builds its attention plan without the host."""
     model = tiny_model(1)
+    model.set_row_invariance(rows)
     heads = tiny_heads(model, kind, seed=1, prefix=prefix)
     dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in TREES])
     ref = ar_greedy(model, PROMPT, 40)
     for k in range(len(TREES)):
+        if rows:  # the first forward of each shape probes how wide a product may be (then cached)
+            dec.generate(PROMPT, 40, choose=k)
         tokens, check, per_step = _steps_syncs(dec, k)
         assert tokens == ref
         check.raise_if_violations()
