@@ -1,1 +1,0 @@
-"""EntMTP offline pipeline: staged jobs that build a per-task TopologyBank."""
