@@ -205,10 +205,9 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
     """Write a draft-vocabulary heads folder from the full heads in `full_dir` and the ranking
     in `freq_dir`; its manifest records both sources (files' sha256, frequency provenance)."""
     full_dir, freq_dir = Path(full_dir), Path(freq_dir)
-    full = load_heads(full_dir)
-    freq = read_frequencies(freq_dir, full.config.vocab_size)
+    full_config = json.loads((full_dir / CONFIG_FILE).read_text())
     freq_manifest = json.loads((freq_dir / "manifest.json").read_text()) if (freq_dir / "manifest.json").is_file() else {}
-    stored_dtype = json.loads((full_dir / CONFIG_FILE).read_text())["dtype"]
+    stored_dtype = full_config["dtype"]
     key = {
         "version": FREQ_VERSION, "draft_vocab_size": int(size), "draft_dtype": draft_dtype,
         "full_heads": {"folder": _shown(full_dir), "weights_sha256": _sha256(full_dir / WEIGHTS_FILE),
@@ -218,6 +217,9 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
     }
 
     def build(tmp: Path) -> dict[str, Any]:
+        # loaded only to build: an up-to-date check reads checksums, not weights
+        full = load_heads(full_dir)
+        freq = read_frequencies(freq_dir, full.config.vocab_size)
         heads = draft_vocab_heads(full, freq["ranking"], size, draft_dtype)
         save_heads(heads, tmp, dtype=getattr(torch, stored_dtype))
         emitted = freq["emitted"]
