@@ -233,17 +233,26 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
     return run_stage("draft_vocab_heads", Path(out_dir), key, build, force=force, log=log)
 
 
+def check_shared_output(folder: str | Path) -> None:
+    """Refuse heads whose output layers are their own (published Hydra/Hydra++/Medusa folders, or
+    project heads with output own/draft): a draft vocabulary restricts the base lm_head they share."""
+    from pipeline.heads_import import heads_folder_kind
+
+    folder = Path(folder)
+    kind = heads_folder_kind(folder)
+    output = json.loads((folder / CONFIG_FILE).read_text()).get("output") if kind == "project" else "own"
+    if output != "shared":
+        what = f"a published {kind} folder" if kind != "project" else f"project heads with output={output!r}"
+        raise ValueError(f"{folder} is {what}: its heads have their own output layers, and the draft vocabulary "
+                         "(heads.draft_vocab.size) restricts the shared lm_head; set heads.draft_vocab.size=null")
+
+
 def derive_draft_vocab_heads(full_dir: str | Path, model_dir: Path, data_dir: Path, freq_root: Path, out_dir: Path,
                              size: int, s: FrequencySettings, force: bool = False) -> Path:
     """The heads stage's draft-vocabulary step (`heads.draft_vocab.size`): the frequencies of the
     model's own outputs on the train pools (under `freq_root`), then the draft heads in `out_dir`.
-    Heads with output layers of their own are refused before any work: the draft vocabulary
-    restricts the shared lm_head."""
-    full_dir = Path(full_dir)
-    output = json.loads((full_dir / CONFIG_FILE).read_text()).get("output")
-    if output != "shared":
-        raise ValueError(f"heads.draft_vocab.size={size} restricts the shared lm_head, but the heads in {full_dir} "
-                         f"have output={output!r}: set heads.draft_vocab.size=null")
+    Heads with output layers of their own are refused before any work (`check_shared_output`)."""
+    check_shared_output(full_dir)
     freq_dir = token_frequencies(model_dir, data_dir, freq_root, s, force=force, log=_log.info)
     return write_draft_vocab_heads(full_dir, freq_dir, size, out_dir, force=force, log=_log.info)
 

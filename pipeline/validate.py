@@ -9,7 +9,6 @@ reported at once, each naming the setting, its value and what to do.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -152,7 +151,9 @@ def config_problems(cfg: DictConfig) -> list[str]:
 
             guard("heads.dir", lambda: heads_folder_kind(Path(str(hdir))))
             if get("heads.draft_vocab.size"):
-                guard("heads.draft_vocab.size", lambda: _check_draft_vocab_source(Path(str(hdir))))
+                from pipeline.draft_vocab import check_shared_output
+
+                guard("heads.draft_vocab.size", lambda: check_shared_output(Path(str(hdir))))
     elif isinstance(get("heads.train"), dict):
         train = get("heads.train")
         for p in TrainSettings.cross_field_problems(SimpleNamespace(**train)):  # type: ignore[arg-type]
@@ -219,15 +220,3 @@ def validate_config(cfg: DictConfig) -> None:
     if problems:
         raise ConfigError(problems)
 
-
-def _check_draft_vocab_source(folder: Path) -> None:
-    """A frequency-ranked draft vocabulary restricts the base lm_head the heads share: refuse
-    heads.dir folders whose heads have output layers of their own."""
-    from pipeline.heads_import import heads_folder_kind
-
-    kind = heads_folder_kind(folder)
-    output = json.loads((folder / "config.json").read_text()).get("output") if kind == "project" else "own"
-    if output != "shared":
-        what = f"a published {kind} folder" if kind != "project" else f"project heads with output={output!r}"
-        raise ValueError(f"{folder} is {what}: its heads have their own output layers, and the draft vocabulary "
-                         "(heads.draft_vocab.size) restricts the shared lm_head; set heads.draft_vocab.size=null")

@@ -325,6 +325,19 @@ class RowPlan:
     block: int      # the padded row count every matrix product sees (`by_row_blocks`)
 
 
+def _mask_ancestors(mask: Tensor | None, n: int) -> list[list[int]]:
+    """Each new token's ancestors among the n new tokens (itself last), read from the mask on the
+    host (None: causal)."""
+    if mask is None:
+        return [list(range(i + 1)) for i in range(n)]
+    m = mask.cpu()
+    ancestors = [m[i, : i + 1].nonzero().flatten().tolist() for i in range(n)]
+    if any(a[-1:] != [i] for i, a in enumerate(ancestors)) or bool(m.triu(1).any()):
+        raise ValueError("under row invariance the mask must let each token attend to itself and to earlier "
+                         "tokens only (a tree in node order)")
+    return ancestors
+
+
 # ancestor lists (a tree's shape) -> per key count: (row indices, the rows' new-token keys as offsets
 # from the first new slot), on each device: built once per tree, so a step copies nothing to the device
 _ROW_GROUPS: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
@@ -625,16 +638,8 @@ class Transformer(nn.Module):
         rows = self.invariant_rows
         assert rows is not None
         n, start, dev = tokens.shape[1], self._cache_len, self.device
-        if ancestors is not None:
-            pass  # a compiled tree's, checked when it was compiled (`TreeBuffers.ancestor_lists`)
-        elif mask is None:
-            ancestors = [list(range(i + 1)) for i in range(n)]
-        else:
-            m = mask.cpu()
-            ancestors = [m[i, : i + 1].nonzero().flatten().tolist() for i in range(n)]
-            if any(a[-1:] != [i] for i, a in enumerate(ancestors)) or bool(m.triu(1).any()):
-                raise ValueError("under row invariance the mask must let each token attend to itself and to earlier "
-                                 "tokens only (a tree in node order)")
+        if ancestors is None:  # a compiled tree passes its own, checked when it was compiled
+            ancestors = _mask_ancestors(mask, n)
         padded = -(-n // rows) * rows
         plan = row_plan(start, ancestors, dev, rows)
         pad = padded - n

@@ -7,7 +7,6 @@ the model's fingerprint) is built in `pipeline.heads.build.train_heads`. With
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -21,42 +20,40 @@ READS = ("heads", "model.name", "profile.max_prompt_tokens")  # `device` only de
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
+    from pipeline.prepare import load_task_config, prepare_task
+
     model_dir = model_stage.output(cfg)
     lay = Layout.from_cfg(cfg)
+    train, dv = cfg.heads.train, cfg.heads.draft_vocab
+    tasks: set[str] = set()  # the train pools read: by the training mix, and by the draft vocabulary's counts
+    if not cfg.heads.dir:
+        tasks |= set(train.tasks) | ({train.functions_from, train.functions_template} if train.functions_from else set())
+    if dv.size:
+        tasks |= set(train.tasks)
+    for task in sorted(tasks):
+        task_cfg = plain(cfg.task) if task == cfg.task.name else load_task_config(task)
+        prepare_task(task_cfg, {"max_prompt_tokens": int(cfg.profile.max_prompt_tokens)}, model_dir, lay.data)
     full = _full_heads(cfg, model_dir, lay)
-    dv = cfg.heads.draft_vocab
     if not dv.size:
         return full
     from pipeline.draft_vocab import FrequencySettings, derive_draft_vocab_heads
 
-    s = FrequencySettings(tasks=list(cfg.heads.train.tasks), prompts_per_task=int(dv.prompts_per_task),
+    s = FrequencySettings(tasks=list(train.tasks), prompts_per_task=int(dv.prompts_per_task),
                           max_new_tokens=int(dv.max_new_tokens))
-    _prepare_train_pools(cfg, s.tasks, model_dir, lay)
     # lay.heads_dir() is the run's heads name, `<heads.name>-draft<size>` (`pipeline.paths.heads_run_name`)
     return derive_draft_vocab_heads(full, model_dir, lay.data, lay.frequencies_root, lay.heads_dir(), int(dv.size), s,
                                     force=forced(cfg, "heads"))
 
 
-def _prepare_train_pools(cfg: DictConfig, tasks: Iterable[str], model_dir: Path, lay: Layout) -> None:
-    from pipeline.prepare import load_task_config, prepare_task
-
-    for task in sorted(set(tasks)):
-        task_cfg = plain(cfg.task) if task == cfg.task.name else load_task_config(task)
-        prepare_task(task_cfg, {"max_prompt_tokens": int(cfg.profile.max_prompt_tokens)}, model_dir, lay.data)
-
-
 def _full_heads(cfg: DictConfig, model_dir: Path, lay: Layout) -> Path:
     """The full-vocabulary heads: `heads.dir`, or heads trained for this model."""
-    from pipeline.heads import train_heads
-
     if cfg.heads.dir:
         from pipeline.heads_import import import_heads
 
         # project-format heads are used as they are; published Hydra/Hydra++/Medusa folders are
         # converted once into artifacts/heads/<model>/<name>/ (with the source's checksum)
         return import_heads(cfg.heads.dir, model_dir, lay.heads_dir(str(cfg.heads.name)), force=forced(cfg, "heads"))
-    train = cfg.heads.train
-    tasks = set(train.tasks) | ({train.functions_from, train.functions_template} if train.functions_from else set())
-    _prepare_train_pools(cfg, tasks, model_dir, lay)  # the training mix reads these tasks' prepared splits
+    from pipeline.heads import train_heads
+
     return train_heads(plain(cfg.heads), model_dir, lay.data, lay.artifacts, force=forced(cfg, "heads"),
                        model_name=lay.model_name, device=str(cfg.device))
