@@ -51,6 +51,19 @@ __all__ = ["atomic_write_bytes", "atomic_write_json", "files_fingerprint", "fsyn
 
 MANIFEST = "manifest.json"
 _log = logging.getLogger(__name__)
+# What a process does once before its first build (seeding torch, its thread count): kept out of
+# the up-to-date path so that checking a finished pipeline never imports torch (3 s of start-up).
+_before_first_build: list[Callable[[], None]] = []
+
+
+def before_first_build(setup: Callable[[], None]) -> None:
+    """Run `setup()` once, just before this process's first stage build (not at all when all is up to date)."""
+    _before_first_build.append(setup)
+
+
+def _run_build_setup() -> None:
+    while _before_first_build:
+        _before_first_build.pop(0)()
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -93,10 +106,7 @@ def versions() -> dict[str, str]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
-    """What a timing figure was measured on: CPU model, cores, AMX, torch threads."""
-    import torch
-
+def _cpu_name_and_flags() -> tuple[str, str]:
     cpu = platform.processor() or platform.machine()
     flags = ""
     with contextlib.suppress(OSError):
@@ -106,6 +116,20 @@ def machine_info() -> dict[str, Any]:
             if line.startswith("flags"):
                 flags = line
                 break
+    return cpu, flags
+
+
+def cpu_identity() -> dict[str, Any]:
+    """The CPU model and core count: what decides whether a machine-specific measurement (the
+    dtype choice) still holds. Read without torch, so up-to-date checks stay cheap."""
+    return {"cpu": _cpu_name_and_flags()[0], "cores": os.cpu_count()}
+
+
+def machine_info() -> dict[str, Any]:
+    """What a timing figure was measured on: CPU model, cores, AMX, torch threads."""
+    import torch
+
+    cpu, flags = _cpu_name_and_flags()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
@@ -115,6 +139,21 @@ def machine_info() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "platform": platform.platform(),
     }
+
+
+def machine_key(device: str) -> dict[str, Any]:
+    """`machine_info()` less the thread count, for the key of a stage that times: read without
+    importing torch (the GPU's name is asked of torch only when the stage runs on one)."""
+    import importlib.metadata as md
+
+    cpu, flags = _cpu_name_and_flags()
+    cuda = None
+    if device.startswith("cuda"):
+        import torch
+
+        cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "amx": "amx_bf16" in flags, "torch": md.version("torch"),
+            "cuda": cuda, "platform": platform.platform()}
 
 
 @contextlib.contextmanager
@@ -296,6 +335,7 @@ def run_stage(
         if not force and reason is None:
             log(f"[{name}] up to date: {out_dir}")
             return out_dir
+        _run_build_setup()
         if os.path.lexists(out_dir):
             log(f"[{name}] rebuilding {out_dir}: {'forced' if force else reason}")
         out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.rollout import load_rollout  # noqa: E402
-from pipeline.timing import throughput_hull  # noqa: E402
+from pipeline.timing import smallest_near_best, throughput_hull  # noqa: E402
 from runtime.bank import TopologyBank  # noqa: E402
 from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
@@ -45,7 +45,7 @@ def bank_members(cands: list[dict], rollouts: list[dict], members: str = "oracle
 
 def build_bank(
     out: Path, timing: dict, recal: dict, frontier: dict, rollout_dir: Path, policy_cfg: dict, provenance: dict,
-    members: str = "oracle", min_oracle_share: float = 0.02,
+    members: str = "oracle", min_oracle_share: float = 0.02, tie_tolerance: float = 0.0,
 ) -> dict[str, Any]:
     from pipeline.fit_policy import fit_all_policies
 
@@ -69,11 +69,12 @@ def build_bank(
             **{f"{part}_ms": ms for part, ms in c.get("cost_ms", {}).items()},
             **{k: c[k] for k in ("measured_step_ms", "model_error_pct") if k in c},
         })
-    best = max(range(len(trees)), key=lambda k: figures[k]["tok_per_s"])
+    best = smallest_near_best([f["tok_per_s"] for f in figures], tie_tolerance)  # trees are ordered by size
     step_costs = [f["step_ms"] / 1000 for f in figures]
     # only what the decoder pays: a signal it computes without the head chain costs nothing extra
     signal_costs = {name: ms / 1000 for name, ms in timing.get("signal_ms", {}).items() if name in HEAD_SIGNALS}
-    fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg, signal_costs=signal_costs)
+    fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg, signal_costs=signal_costs,
+                               tie_tolerance=tie_tolerance)
     policies = {name: f["policy"] for name, f in fitted["policies"].items()}
     policies.setdefault("static", {"kind": "static", "index": best, "signal": "p0"})
     default = policy_cfg.get("name", "static")
@@ -88,7 +89,9 @@ def build_bank(
     plot_throughput_frontier(cands, hull, chosen, pruned, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)
     plot_step_latency(cands, timing["ar_token_ms"], out / "step_latency.png", provenance, set(chosen))
     return {"trees": len(trees), "best_static_nodes": trees[best].num_nodes, "best_static_depth": trees[best].depth,
-            "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"]}
+            "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"],
+            # what `make bank` prints, kept so an up-to-date run prints it without loading the bank (torch)
+            "table": bank.summary().splitlines()[1:]}
 
 
 def _machine_line(provenance: dict) -> str:

@@ -29,16 +29,19 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from safetensors.torch import load_file, save
 
 from pipeline.paths import Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, hash_obj, run_stage
 from pipeline.model import model_fingerprint
-from runtime.heads import CONFIG_FILE, DRAFT_DTYPES, WEIGHTS_FILE, DraftHeads, HeadsConfig, load_heads, save_heads
+from runtime.config import CONFIG_FILE, DRAFT_DTYPES, FORMAT, WEIGHTS_FILE, HeadsConfig
+
+if TYPE_CHECKING:  # torch is imported where heads are built: an up-to-date check reads checksums only
+    import torch
+
+    from runtime.heads import DraftHeads
 
 ROOT = Path(__file__).resolve().parents[1]
 _log = logging.getLogger(__name__)
@@ -82,6 +85,25 @@ def select_train_prompts(data_dir: Path, s: FrequencySettings) -> list[dict[str,
     return rows
 
 
+def train_prompt_ids_hash(data_dir: Path, s: FrequencySettings, memo_dir: Path | None = None) -> str:
+    """The frequencies key's record of the prompts `select_train_prompts` picks (a hash of their
+    ids). With `memo_dir` it is kept per content of the splits it reads (the hashes in their
+    prepare manifests), so an up-to-date check does not re-read the train pools."""
+    inputs = {}
+    for task in s.tasks:
+        m = Path(data_dir) / task / "manifest.json"
+        inputs[task] = json.loads(m.read_text())["summary"]["split_hash"] if m.is_file() else None
+    memo = None
+    if memo_dir is not None and None not in inputs.values():
+        memo = Path(memo_dir) / f"freq-prompts-{hash_obj([asdict(s), inputs])}.json"
+        if memo.is_file():
+            return json.loads(memo.read_text())["prompts"]
+    ids_hash = hash_obj([r["id"] for r in select_train_prompts(data_dir, s)])
+    if memo is not None:
+        atomic_write_bytes(memo, json.dumps({"prompts": ids_hash}).encode())
+    return ids_hash
+
+
 def count_tokens(continuations: Sequence[dict[str, torch.Tensor]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(emitted [V] int64: how often each id was generated, candidate_mass [V] float64: summed
     teacher top-k probability of each id over all steps) of `generate_batch` outputs."""
@@ -104,22 +126,24 @@ def frequency_ranking(emitted: np.ndarray, candidate_mass: np.ndarray) -> np.nda
 
 
 def token_frequencies(model_dir: Path, data_dir: Path, out_root: Path, s: FrequencySettings | None = None,
-                      force: bool = False, log: Callable[[str], None] = print) -> Path:
+                      force: bool = False, log: Callable[[str], None] = print, memo_dir: Path | None = None) -> Path:
     """Generate and count the model's greedy continuations of train prompts; write
     `<out_root>/freq-<key>/frequencies.safetensors` (emitted, candidate_mass, ranking) with a
     manifest of where they came from. Skipped when up to date."""
-    from pipeline.heads.distill import generate_batch  # the heads stage's batched greedy generation
-
     s = s or FrequencySettings()
     model_dir, data_dir = Path(model_dir), Path(data_dir)
-    rows = select_train_prompts(data_dir, s)
     key = {"version": FREQ_VERSION, "model": model_fingerprint(model_dir), "settings": asdict(s),
-           "prompts": hash_obj([r["id"] for r in rows]), "split": "train"}
+           "prompts": train_prompt_ids_hash(data_dir, s, memo_dir), "split": "train"}
     out_dir = Path(out_root) / f"freq-{hash_obj(key)[:12]}"
 
     def build(tmp: Path) -> dict[str, Any]:
+        import torch
+        from safetensors.torch import save
         from transformers import LlamaForCausalLM
 
+        from pipeline.heads.distill import generate_batch  # the heads stage's batched greedy generation
+
+        rows = select_train_prompts(data_dir, s)
         model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         eos_cfg = model.config.eos_token_id
         eos = set(eos_cfg if isinstance(eos_cfg, list) else [eos_cfg]) - {None}
@@ -146,7 +170,9 @@ def read_frequencies(folder: str | Path, vocab_size: int | None = None) -> dict[
     path = Path(folder) / FREQ_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: build it with `python -m pipeline.draft_vocab`")
-    t = {k: v.numpy() for k, v in load_file(str(path)).items()}
+    from safetensors.numpy import load_file
+
+    t = load_file(str(path))
     missing = sorted({"emitted", "candidate_mass", "ranking"} - set(t))
     if missing:
         raise ValueError(f"{path} lacks {missing}; rebuild it with `python -m pipeline.draft_vocab --force`")
@@ -172,6 +198,10 @@ def draft_vocab_config(full: HeadsConfig, size: int, draft_dtype: str | None = N
 def draft_vocab_heads(full: DraftHeads, ranking: np.ndarray | torch.Tensor, size: int,
                       draft_dtype: str | None = None) -> DraftHeads:
     """New heads = `full`'s weights + the `size` first ids of `ranking` as draft vocabulary."""
+    import torch
+
+    from runtime.heads import DraftHeads
+
     ranking = torch.as_tensor(np.asarray(ranking), dtype=torch.long)
     if ranking.numel() != full.config.vocab_size:
         raise ValueError(f"the ranking orders {ranking.numel()} ids but the heads' vocabulary has {full.config.vocab_size}")
@@ -218,6 +248,10 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
 
     def build(tmp: Path) -> dict[str, Any]:
         # loaded only to build: an up-to-date check reads checksums, not weights
+        import torch
+
+        from runtime.heads import load_heads, save_heads
+
         full = load_heads(full_dir)
         freq = read_frequencies(freq_dir, full.config.vocab_size)
         heads = draft_vocab_heads(full, freq["ranking"], size, draft_dtype)
@@ -236,24 +270,27 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
 def check_shared_output(folder: str | Path) -> None:
     """Refuse heads whose output layers are their own (published Hydra/Hydra++/Medusa folders, or
     project heads with output own/draft): a draft vocabulary restricts the base lm_head they share."""
-    from pipeline.heads_import import heads_folder_kind
-
     folder = Path(folder)
-    kind = heads_folder_kind(folder)
-    output = json.loads((folder / CONFIG_FILE).read_text()).get("output") if kind == "project" else "own"
+    cfg_file = folder / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{folder} holds no {CONFIG_FILE}: expected a heads folder")
+    cfg = json.loads(cfg_file.read_text())
+    if cfg.get("format") == FORMAT:
+        output, what = cfg.get("output"), f"project heads with output={cfg.get('output')!r}"
+    else:  # a published layout (the heads stage converts it); its heads carry their own lm_head
+        output, what = "own", f"a published {'hydra' if 'hydra_num_heads' in cfg else 'medusa'} folder"
     if output != "shared":
-        what = f"a published {kind} folder" if kind != "project" else f"project heads with output={output!r}"
         raise ValueError(f"{folder} is {what}: its heads have their own output layers, and the draft vocabulary "
                          "(heads.draft_vocab.size) restricts the shared lm_head; set heads.draft_vocab.size=null")
 
 
 def derive_draft_vocab_heads(full_dir: str | Path, model_dir: Path, data_dir: Path, freq_root: Path, out_dir: Path,
-                             size: int, s: FrequencySettings, force: bool = False) -> Path:
+                             size: int, s: FrequencySettings, force: bool = False, memo_dir: Path | None = None) -> Path:
     """The heads stage's draft-vocabulary step (`heads.draft_vocab.size`): the frequencies of the
     model's own outputs on the train pools (under `freq_root`), then the draft heads in `out_dir`.
     Heads with output layers of their own are refused before any work (`check_shared_output`)."""
     check_shared_output(full_dir)
-    freq_dir = token_frequencies(model_dir, data_dir, freq_root, s, force=force, log=_log.info)
+    freq_dir = token_frequencies(model_dir, data_dir, freq_root, s, force=force, log=_log.info, memo_dir=memo_dir)
     return write_draft_vocab_heads(full_dir, freq_dir, size, out_dir, force=force, log=_log.info)
 
 

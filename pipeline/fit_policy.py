@@ -100,6 +100,14 @@ class _Fitter:
             rep = replace(rep, time_s=rep.time_s + extra, tokens_per_second=rep.tokens / (rep.time_s + extra))
         return rep.tokens_per_second, rep
 
+    def smallest_near_best(self, policies: Sequence[Policy], tolerance: float) -> tuple[Policy, PolicyReplay]:
+        """The first of `policies` (ordered by size) whose tokens/s is within `tolerance` of the best."""
+        from pipeline.timing import smallest_near_best
+
+        scored = [(p, *self.score(p)) for p in policies]
+        p, _, rep = scored[smallest_near_best([tps for _, tps, _ in scored], tolerance)]
+        return p, rep
+
     def best(self, policies: Sequence[Policy]) -> tuple[Policy, PolicyReplay] | None:
         best = None
         for p in policies:
@@ -260,8 +268,12 @@ def fit_policies(
     fixed_taus: tuple[float, float] | None = None,
     fixed_thresholds: Sequence[float] | None = None,
     signal_costs: dict[str, float] | None = None,
+    tie_tolerance: float = 0.0,
 ) -> dict[str, Any]:
     """Fit every policy kind over the bank `trees` (ordered by size) with measured `step_costs`.
+
+    tie_tolerance: the static policy is the smallest tree within this share of the best one's
+    replayed tokens/s (`bank.tie_tolerance`), so a near-tie does not flip it between timings.
 
     signal_costs: seconds a signal adds to every step (by signal name; e.g. `greedy_path` runs the
     heads' greedy chain every step), charged to dynamic policies.
@@ -292,8 +304,7 @@ def fit_policies(
     fitter = _Fitter(data, costs, signal_costs)
     out: dict[str, Any] = {}
 
-    static = fitter.best([StaticPolicy(k) for k in range(data.n_trees)])
-    assert static is not None
+    static = fitter.smallest_near_best([StaticPolicy(k) for k in range(data.n_trees)], tie_tolerance)
     out["static"] = _entry(*static)
     ref_tree = static[0].index
 
@@ -343,6 +354,7 @@ def fit_all_policies(
     policy_cfg: dict[str, Any] | None = None,
     rank_cap: int | None = None,
     signal_costs: dict[str, float] | None = None,
+    tie_tolerance: float = 0.0,
 ) -> dict[str, Any]:
     """What the bank stage stores: every policy kind fitted, plus the oracle.
 
@@ -375,6 +387,7 @@ def fit_all_policies(
         fixed_taus=fixed_taus,
         fixed_thresholds=cfg.get("thresholds"),
         signal_costs=signal_costs,
+        tie_tolerance=tie_tolerance,
     )
     policies = {
         k: {"policy": fitted[k]["policy"], "replay": {f: v for f, v in fitted[k].items() if f != "policy"}}

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from pipeline.artifacts import MANIFEST, hash_obj, read_json
+from pipeline.artifacts import MANIFEST, before_first_build, hash_obj, read_json
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +80,19 @@ def stage_output(name: str, cfg: DictConfig) -> Path:
 
 
 def run(cfg: DictConfig) -> Path:
-    """Validate `cfg`, seed, and build the output of `cfg.stage` (and whatever it needs)."""
-    import numpy as np
-    import torch
-
+    """Validate `cfg`, and build the output of `cfg.stage` (and whatever it needs), seeded."""
     from pipeline.validate import validate_config
 
     validate_config(cfg)
-    torch.manual_seed(int(cfg.seed))
-    np.random.seed(int(cfg.seed))
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+
+    def seed_and_threads() -> None:
+        import numpy as np
+        import torch
+
+        torch.manual_seed(int(cfg.seed))
+        np.random.seed(int(cfg.seed))
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+
+    before_first_build(seed_and_threads)
     return stage_output(str(cfg.stage), cfg)

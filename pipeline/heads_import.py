@@ -20,16 +20,17 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from pipeline.artifacts import hash_bytes, run_stage
+from runtime.config import FORMAT, HYDRA_WEIGHTS, MEDUSA_WEIGHTS, ModelArgs
 from runtime.fingerprint import file_sha256, weights_fingerprint
-from runtime.heads import FORMAT, DraftHeads, save_heads
-from runtime.model import ModelArgs
-from runtime.published import HYDRA_WEIGHTS, MEDUSA_WEIGHTS, load_published, load_torch_weights
+
+if TYPE_CHECKING:  # torch only where weights are read: using project heads as they are stays torch-free
+    import torch
+    from torch import Tensor
+
+    from runtime.heads import DraftHeads
 
 PUBLISHED_KINDS = ("hydra", "medusa")
 STAGE = "heads_import"   # the manifest's stage name: marks a folder this module may rebuild
@@ -94,12 +95,16 @@ def _read_checkpoint(checkpoint: Path) -> dict[str, Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(checkpoint))
+    from runtime.published import load_torch_weights
+
     return load_torch_weights(checkpoint)
 
 
 def check_embeddings_match(state: dict[str, Tensor], model_dir: Path, where: Path) -> bool:
     """Compare the copy of the base embeddings a published Hydra file carries with the model's.
     False when the file carries none (Medusa; Hydra checkpoints saved without it)."""
+    import torch
+
     stored = state.get("input_embed_fn.weight")
     if stored is None:
         return False
@@ -113,12 +118,17 @@ def check_embeddings_match(state: dict[str, Tensor], model_dir: Path, where: Pat
 def stored_dtype(state: dict[str, Tensor]) -> torch.dtype:
     """The floating dtype the published weights were saved in (the converted heads keep it); for
     mixed files (e.g. fp32 norms beside fp16 matrices) the widest of them."""
+    import torch
+
     found = {v.dtype for v in state.values() if v.is_floating_point()}
     return next((d for d in (torch.float32, torch.bfloat16, torch.float16) if d in found), torch.float32)
 
 
 def convert_published(src: Path, model_dir: Path, out: Path) -> dict[str, Any]:
     """Convert the published folder `src` for the base model in `model_dir` into `out` (project format)."""
+    from runtime.heads import save_heads
+    from runtime.published import load_published
+
     kind = heads_folder_kind(src)
     if kind == "project":
         raise ValueError(f"{src} is already in the project's heads format; use it as it is")
@@ -193,6 +203,8 @@ def export_published_hydra(heads: DraftHeads, folder: str | Path, base_model_nam
     prefix layer `prefix-mlp` (Hydra++). The published head always has its own output layer with a
     bias: a shared output becomes a copy of the base lm_head with a zero bias. Heads with a draft
     vocabulary have no published equivalent and are refused."""
+    import torch
+
     from runtime.io import atomic_write_bytes
 
     c = heads.config

@@ -8,10 +8,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
-from pipeline.artifacts import atomic_write_json, machine_info, read_json
+from pipeline.artifacts import atomic_write_json, cpu_identity, machine_info, read_json
 from pipeline.graph import once_per_config, plain
 from pipeline.model import resolve_max_seq_len
 from pipeline.paths import Layout
@@ -27,6 +26,8 @@ def pick_decode_dtype(model_dir: Path, sizes: tuple[int, ...] = (1, 8, 16), cont
     keep the dtype with the lower summed latency. No assumption about the CPU: some have native
     bf16 matrix units (AMX), others emulate bf16 and are slower in it. With `invariant_rows`, both
     models run row-invariant (`lossless: exact`), whose cost differs from the ordinary path's."""
+    import torch
+
     from pipeline.benchmarks.cost_curve import measure_cost_curves
     from runtime.model import load_model
 
@@ -60,19 +61,21 @@ def resolve_dtype(cfg: DictConfig) -> str:
     rows = invariant_rows(cfg)
     lay = Layout.from_cfg(cfg)
     f = lay.dtype_choice if rows is None else lay.dtype_choice_invariant(rows)
-    mach = machine_info()
+    here = cpu_identity()
     if f.is_file():
         doc = read_json(f)
-        if doc.get("machine", {}).get("cpu") == mach["cpu"] and doc.get("machine", {}).get("cores") == mach["cores"]:
+        if all(doc.get("machine", {}).get(k) == v for k, v in here.items()):
             return doc["dtype"]
     choice = pick_decode_dtype(model_stage.output(cfg), invariant_rows=rows)
-    atomic_write_json(f, {**choice, "machine": mach})
+    atomic_write_json(f, {**choice, "machine": machine_info()})
     return choice["dtype"]
 
 
 @cache
 def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, threads: int | None, device: str,
                   rows: int | None = None):
+    import torch
+
     from runtime.heads import load_heads
     from runtime.model import load_model
 

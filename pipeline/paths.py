@@ -36,8 +36,12 @@ def decoding_tag(sampling: Any) -> str:
 def arithmetic_tag(cfg: Any) -> str:
     """How a run decodes, as its folders name it: `decoding_tag`, plus "numerical" under
     `lossless: numerical` (ordinary arithmetic: another rollout and bank than the row-invariant
-    default's, so the two live side by side instead of rebuilding each other)."""
-    tags = [decoding_tag(cfg.get("sampling")), "numerical" if cfg.get("lossless", "exact") == "numerical" else ""]
+    default's, so the two live side by side instead of rebuilding each other), plus the dtype when
+    one other than float32 is forced (`dtype=bfloat16`: beside the default's bank, not over it;
+    `dtype: auto` keeps the plain name whatever it picks, and the bank records the choice)."""
+    dtype = str(cfg.get("dtype", "auto"))
+    tags = [decoding_tag(cfg.get("sampling")), "numerical" if cfg.get("lossless", "exact") == "numerical" else "",
+            dtype if dtype not in ("auto", "float32") else ""]
     return "-".join(t for t in tags if t)
 
 

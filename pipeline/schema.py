@@ -309,6 +309,10 @@ class BankConfig:
     # tree the per-step oracle picks on at least `min_oracle_share` of calibration steps
     members: str = choice("oracle", "hull", "oracle")
     min_oracle_share: float = at_least(0.02, 1e-9, 1.0)
+    # trees within this share of the fastest one's tok/s are ties, and the smallest of them is the
+    # best static tree: two timings of one machine differ by a few percent, and a near-tie must
+    # not flip the bank's choice from run to run (a smaller tree also costs less where it loses)
+    tie_tolerance: float = at_least(0.05, 0.0, 0.5)
 
 
 @dataclass

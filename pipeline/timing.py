@@ -126,6 +126,16 @@ def e2e_tokens_per_second(tokens_per_step: float, step_s: float, prefill_s: floa
     return new_tokens / (prefill_s + (new_tokens - 1) / tokens_per_step * step_s)
 
 
+def smallest_near_best(tok_per_s: list[float], tolerance: float) -> int:
+    """Index of the first (smallest, when ordered by size) entry within `tolerance` (a share) of
+    the highest: how the bank breaks near-ties (`bank.tie_tolerance`), so that two timings of
+    one machine, a few percent apart, pick the same tree."""
+    if not tok_per_s:
+        raise ValueError("no trees to choose from")
+    top = max(tok_per_s)
+    return next(k for k, v in enumerate(tok_per_s) if v >= (1 - tolerance) * top)
+
+
 def throughput_hull(nodes: list[int], tok_per_s: list[float]) -> list[int]:
     """Indices kept by the paper's rule: a tree stays only if faster than every smaller tree."""
     order = sorted(range(len(nodes)), key=lambda k: (nodes[k], -tok_per_s[k]))

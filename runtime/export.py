@@ -13,7 +13,6 @@ order vLLM lays tree nodes out in. Every parser raises `TreeError` (a ValueError
 from __future__ import annotations
 
 import ast
-import json
 from collections.abc import Callable
 
 from runtime.tree import Tree, TreeError, TreeTypeError

@@ -29,10 +29,8 @@ published Hydra/Medusa checkpoints are read by `runtime.published`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,102 +39,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime.io import atomic_write_bytes
+from runtime.config import (  # noqa: F401 - re-exported
+    CONFIG_FILE, DRAFT_DTYPES, FORMAT, FORMAT_VERSION, KINDS, OUTPUTS, WEIGHTS_FILE, HeadsConfig, _args_to_dict,
+)
 from runtime.model import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
 from runtime.tree import TreeBuffers
 
-KINDS = ("hydra", "medusa")
-OUTPUTS = ("shared", "own", "draft")
-FORMAT = "entmtp-heads"
-FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "heads.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# arithmetic of the drafting output product; None = the heads' own dtype, "auto" = measured
-DRAFT_DTYPES = ("auto", "float32", "bfloat16", "int8")
-
-
-@dataclass
-class HeadsConfig:
-    hidden_size: int                  # base model hidden size (dim)
-    vocab_size: int                   # base model vocabulary
-    kind: str = "hydra"               # "hydra" | "medusa"
-    num_heads: int = 4                # D: tokens drafted beyond the root
-    num_layers: int = 1               # ResBlocks per head
-    prefix_layer: bool = False        # Hydra++: one decoder layer over the base hidden states
-    output: str = "shared"            # "shared" | "own" | "draft"
-    draft_vocab_size: int | None = None  # V_draft: output="draft", or "shared" restricted to draft ids
-    draft_dtype: str | None = None    # drafting output product: None (heads' dtype) | DRAFT_DTYPES
-    output_bias: bool | None = None   # bias of own/draft output layers; None = Hydra yes, Medusa no
-    dropout: float = 0.0              # training only (Hydra uses 0.2); inert at inference
-    base_fingerprint: str | None = None  # weights fingerprint of the base model the heads were trained on
-    base_args: dict[str, Any] | None = None  # the base ModelArgs (as a dict): shapes of the prefix layer
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"HeadsConfig.{name} must be a positive int, got {value!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"HeadsConfig.kind must be one of {KINDS}, got {self.kind!r}")
-        if self.output not in OUTPUTS:
-            raise ValueError(f"HeadsConfig.output must be one of {OUTPUTS}, got {self.output!r}")
-        v = self.draft_vocab_size
-        if self.output == "draft" or (self.output == "shared" and v is not None):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= self.vocab_size:
-                raise ValueError(f"output={self.output!r} needs draft_vocab_size in [1, vocab_size={self.vocab_size}], got {v!r}")
-        elif v is not None:
-            raise ValueError(f"draft_vocab_size is only meaningful with output='draft' or 'shared' (output is "
-                             f"{self.output!r}); set it to null")
-        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
-            raise ValueError(f"HeadsConfig.draft_dtype must be null or one of {DRAFT_DTYPES}, got {self.draft_dtype!r}")
-        if self.output_bias is None:
-            self.output_bias = self.kind == "hydra" and self.output != "shared"
-        if self.output == "shared" and self.output_bias:
-            raise ValueError("output='shared' reuses the base lm_head, which has no bias: set output_bias to false")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"HeadsConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.prefix_layer:
-            if self.base_args is None:
-                raise ValueError("prefix_layer=True needs base_args (the base ModelArgs as a dict); "
-                                 "build the config with HeadsConfig.for_model(model.args, ...)")
-            args = self.prefix_args()
-            if args.dim != self.hidden_size:
-                raise ValueError(f"base_args.dim ({args.dim}) != hidden_size ({self.hidden_size})")
-
-    @classmethod
-    def for_model(cls, args: ModelArgs, **kwargs: Any) -> HeadsConfig:
-        """A config sized for a base model (hidden size, vocabulary, prefix-layer shapes)."""
-        return cls(hidden_size=args.dim, vocab_size=args.vocab_size, base_args=_args_to_dict(args), **kwargs)
-
-    def prefix_args(self) -> ModelArgs:
-        """ModelArgs of the one-layer Llama block used by Hydra++."""
-        if self.base_args is None:
-            raise ValueError("these heads carry no base_args")
-        fields = {f.name for f in dataclasses.fields(ModelArgs)}
-        unknown = sorted(set(self.base_args) - fields)
-        if unknown:
-            raise ValueError(f"base_args has unknown keys {unknown}; expected a subset of {sorted(fields)}")
-        return ModelArgs(**{**self.base_args, "n_layers": 1})
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HeadsConfig:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise ValueError(f"unknown heads config keys {unknown}; known keys: {sorted(fields)}")
-        missing = [k for k in ("hidden_size", "vocab_size") if k not in d]
-        if missing:
-            raise ValueError(f"heads config lacks required keys {missing}")
-        return cls(**d)
-
-
-def _args_to_dict(args: ModelArgs) -> dict[str, Any]:
-    d = dataclasses.asdict(args)
-    d["eos_token_ids"] = list(d["eos_token_ids"])
-    return d
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,10 +46,9 @@ import torch
 from torch import Tensor
 
 from runtime.heads import DraftHeads, HeadsConfig, build_heads
+from runtime.config import HYDRA_WEIGHTS, MEDUSA_WEIGHTS  # noqa: F401 - re-exported
 from runtime.model import ModelArgs, Transformer
 
-HYDRA_WEIGHTS = "hydra_lm_head.pt"
-MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 HYDRA_ARCHS = ("mlp", "prefix-mlp")
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import pipeline.prepare
 from pipeline.rollout import load_rollout
-from tests.helpers import MODEL_NAME, TinyBundle, tiny_pipeline_cfg
+from tests.helpers import MODEL_NAME, REPO, TinyBundle, tiny_pipeline_cfg, tiny_pipeline_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,4 +68,22 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
     before = {d: (d / "manifest.json").read_text() for d in stage_dirs}
     graph.clear_memo()
     assert graph.run(tiny_pipeline_cfg(artifacts, data, bundle, "profile.eval_prompts=1")) == bank_dir
+    assert {d: (d / "manifest.json").read_text() for d in stage_dirs} == before
+
+    # an up-to-date check of the whole chain never imports torch (3 s of every `make bank`): run
+    # `python -m pipeline` with torch made unimportable; it must find every stage up to date
+    blocker = (
+        "import sys, runpy\n"
+        "class NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' or name.startswith('torch.'):\n"
+        "            raise ImportError(f'{name} imported by an up-to-date check')\n"
+        "sys.meta_path.insert(0, NoTorch())\n"
+        "sys.argv = ['pipeline', *sys.argv[1:]]\n"
+        "runpy.run_module('pipeline', run_name='__main__')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", blocker, *tiny_pipeline_overrides(artifacts, data, bundle),
+                          "hydra.run.dir=" + str(tmp_path / "hydra")], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, f"up-to-date `python -m pipeline stage=bank` needed torch:\n{out.stderr[-3000:]}"
+    assert "[bank] up to date" in out.stderr + out.stdout
     assert {d: (d / "manifest.json").read_text() for d in stage_dirs} == before

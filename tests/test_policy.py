@@ -307,3 +307,22 @@ def test_signal_cost_is_charged_to_dynamic_policies(bank_setup) -> None:
         assert charged[k]["tokens_per_second"] < free[k]["tokens_per_second"]
         rep = replay_policy(data, None, policy_from_dict(charged[k]["policy"]), costs)
         assert charged[k]["time_s"] == pytest.approx(rep.time_s + 0.005 * rep.steps)
+
+
+def test_static_policy_takes_the_smallest_tree_within_the_tie_tolerance(bank_setup) -> None:
+    """A near-tie must not decide the static tree: with `tie_tolerance` the smallest tree whose
+    replayed tokens/s is within that share of the best one wins; without, the best one."""
+    rolls, trees, costs = bank_setup
+    data = BankReplay.build(rolls, trees)
+    statics = [replay_policy(data, None, StaticPolicy(j), costs).tokens_per_second for j in range(len(trees))]
+    best = max(range(len(trees)), key=statics.__getitem__)
+    assert best > 0, "the fixture's best static tree is the smallest one: nothing to tie-break"
+    # a tolerance that just admits the smallest tree scoring below the best
+    smaller = max(range(best), key=statics.__getitem__)
+    tol = 1 - statics[smaller] / statics[best] + 1e-6
+    want = next(j for j in range(len(trees)) if statics[j] >= (1 - tol) * statics[best])
+    strict = fit_policies(data, None, costs, n_quantiles=8)
+    tied = fit_policies(data, None, costs, n_quantiles=8, tie_tolerance=tol)
+    assert strict["static"]["policy"]["index"] == best
+    assert tied["static"]["policy"]["index"] == want < best
+    assert tied["static"]["tokens_per_second"] == pytest.approx(statics[want])

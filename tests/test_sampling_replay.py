@@ -60,5 +60,10 @@ def test_numerical_arithmetic_has_its_own_folders() -> None:
     assert arithmetic_tag({"sampling": greedy, "lossless": "exact"}) == ""
     assert arithmetic_tag({"sampling": greedy, "lossless": "numerical"}) == "numerical"
     assert arithmetic_tag({"sampling": {**greedy, "temperature": 0.7}, "lossless": "numerical"}) == "T0.7s0-numerical"
+    # a forced low-precision dtype gets its own folders; auto and float32 keep the plain name
+    assert arithmetic_tag({"sampling": greedy, "lossless": "exact", "dtype": "bfloat16"}) == "bfloat16"
+    assert arithmetic_tag({"sampling": greedy, "lossless": "numerical", "dtype": "float16"}) == "numerical-float16"
+    assert arithmetic_tag({"sampling": greedy, "lossless": "exact", "dtype": "float32"}) == ""
+    assert arithmetic_tag({"sampling": greedy, "lossless": "exact", "dtype": "auto"}) == ""
     num = Layout(Path("a"), Path("d"), "m", "h", "gsm8k", "cpu", "numerical")
     assert num.bank_dir.name == "gsm8k@numerical" and num.work != Layout(Path("a"), Path("d"), "m", "h", "gsm8k", "cpu").work

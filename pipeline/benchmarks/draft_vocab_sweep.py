@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import time
 from pathlib import Path
 from typing import Any

@@ -39,7 +39,7 @@ def _build_bank(dtype: str, root: Path) -> Path:
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, check=True)
     print(f"[gpu-check] {dtype}: bank built in {time.perf_counter() - t0:.0f} s")
-    banks = sorted((root / "banks").glob("*/*/humaneval/bank.json"))
+    banks = sorted((root / "banks").glob("*/*/humaneval*/bank.json"))  # humaneval@<dtype>
     if not banks:
         raise SystemExit(f"[gpu-check] no bank under {root / 'banks'}: see the pipeline log above")
     return banks[0].parent

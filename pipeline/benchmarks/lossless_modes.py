@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                               "prompts": len(prompts), "new_tokens": a.new_tokens, "variants": {}}
     base = variants.get("float32:numerical")
     base_speed = _speed(base["recs"]["AR"]) if base else None
-    lines = [f"| variant | method | identical to its AR | tokens/step | CPU tok/s | vs its AR | vs fp32 numerical AR |",
+    lines = ["| variant | method | identical to its AR | tokens/step | CPU tok/s | vs its AR | vs fp32 numerical AR |",
              "|---|---|---|---|---|---|---|"]
     for key, v in variants.items():
         recs, model = v["recs"], v["model"]

@@ -11,23 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pipeline.artifacts import atomic_write_json, files_fingerprint, hash_obj, machine_info, read_json, run_stage
-from pipeline.heads.distill import build_selfdistill
 from pipeline.heads.mix import read_train_rows, select_prompts
-from pipeline.heads.report import evaluate_heads, format_report
-from pipeline.heads.train import draft_vocabulary, train_loop
 from pipeline.model import model_fingerprint
 from pipeline.paths import Layout
 from pipeline.schema import TrainSettings
-from runtime.heads import DraftHeads, HeadsConfig, save_heads
-from runtime.model import load_model
+from runtime.config import HeadsConfig, ModelArgs
 
 log = logging.getLogger(__name__)
 
 TRAIN_VERSION = 1
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HEAD_KEYS = {f.name for f in dataclasses.fields(HeadsConfig)} - {"hidden_size", "vocab_size", "base_fingerprint", "base_args"}
 # entries of the `heads` config group that are not head shapes
 _NOT_SHAPE = ("name", "dir", "train", "draft_vocab")
@@ -107,8 +100,6 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
     name = heads_cfg.get("name") or heads_cfg.get("kind", "hydra")
     s = TrainSettings.from_dict(heads_cfg.get("train"))
     fingerprint = model_fingerprint(model_dir)
-    from runtime.model import ModelArgs
-
     args = ModelArgs.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     config = heads_config_for(heads_cfg, args, fingerprint)  # validates before any long work
     data_hash, rows = training_rows(data_dir, model_dir, s, lay.heads_cache)
@@ -118,6 +109,14 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
            "model": fingerprint}
 
     def build(tmp: Path) -> dict[str, Any]:
+        import torch  # training only: an up-to-date check stays torch-free
+
+        from pipeline.heads.distill import build_selfdistill
+        from pipeline.heads.report import evaluate_heads, format_report
+        from pipeline.heads.train import draft_vocabulary, train_loop
+        from runtime.heads import DraftHeads, save_heads
+        from runtime.model import load_model
+
         train_rows, hold_rows = rows()
         t0, c0 = time.time(), time.process_time()
         threads = torch.get_num_threads()  # load_model may reset it; keep the caller's choice
@@ -158,7 +157,7 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
             "machine": machine_info(), "base_fingerprint": fingerprint, "device": str(model.device),
             "train_dtype": s.dtype,
         })
-        save_heads(heads, tmp, dtype=_DTYPES[s.save_dtype])
+        save_heads(heads, tmp, dtype=getattr(torch, s.save_dtype))
         atomic_write_json(tmp / "report.json", report)
         atomic_write_json(work / "loss_history.json", fit["loss_history"])
         log.info("%s", format_report(name, report))

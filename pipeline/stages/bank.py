@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.artifacts import read_json, run_stage
+from pipeline.artifacts import MANIFEST, read_json, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
 from pipeline.loaders import runtime_key
 from pipeline.paths import Layout
@@ -51,6 +51,7 @@ def output(cfg: DictConfig) -> Path:
             tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
             frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=policy_settings(cfg),
             members=str(cfg.bank.members), min_oracle_share=float(cfg.bank.min_oracle_share),
+            tie_tolerance=float(cfg.bank.tie_tolerance),
             provenance={
                 "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
                 "sampling": plain(cfg.sampling),
@@ -69,7 +70,10 @@ def output(cfg: DictConfig) -> Path:
 
     out = run_stage("bank", lay.bank_dir, key, build, force=forced(cfg, "bank"))
     if cfg.stage == "bank":
-        from runtime.bank import TopologyBank
+        table = read_json(out / MANIFEST).get("summary", {}).get("table")
+        if table is None:  # built before the manifest kept the table
+            from runtime.bank import TopologyBank
 
-        log.info("%s", TopologyBank.load(out).summary())
+            table = TopologyBank.load(out).summary().splitlines()[1:]
+        log.info("%s", "\n".join([f"TopologyBank {out}", *table]))
     return out

@@ -18,16 +18,16 @@ READS = ("grow.max_depth", "profile.grow_budget", "profile.rank_cap", "heads.num
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.grow import grow, top_count_tree
-    from pipeline.replay import replay_tokens_per_step
-    from pipeline.rollout import load_rollout
-    from runtime.tree import Tree
-
     rollout_dir = merge_stage.output(cfg)
     key = {"rollout": output_digest(rollout_dir), **config_key(cfg, READS)}
     budget, rank_cap, max_depth = int(cfg.profile.grow_budget), int(cfg.profile.rank_cap), int(cfg.grow.max_depth)
 
     def build(tmp: Path) -> dict[str, Any]:
+        from pipeline.grow import grow, top_count_tree
+        from pipeline.replay import replay_tokens_per_step
+        from pipeline.rollout import load_rollout
+        from runtime.tree import Tree
+
         rollouts = load_rollout(rollout_dir)
         frontier: dict[str, Any] = {}
         for depth in range(1, max_depth + 1):

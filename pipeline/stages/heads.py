@@ -42,7 +42,7 @@ def output(cfg: DictConfig) -> Path:
                           max_new_tokens=int(dv.max_new_tokens))
     # lay.heads_dir() is the run's heads name, `<heads.name>-draft<size>` (`pipeline.paths.heads_run_name`)
     return derive_draft_vocab_heads(full, model_dir, lay.data, lay.frequencies_root, lay.heads_dir(), int(dv.size), s,
-                                    force=forced(cfg, "heads"))
+                                    force=forced(cfg, "heads"), memo_dir=lay.heads_cache)
 
 
 def _full_heads(cfg: DictConfig, model_dir: Path, lay: Layout) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -16,8 +17,6 @@ READS = rollout_stage.READS  # not the sharding: the merged rollout does not dep
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.rollout import merge_rollouts
-
     key = rollout_stage.content_key(cfg)
     out = Layout.from_cfg(cfg).work / "rollout"
     if not forced(cfg, "merge") and is_up_to_date(out, key):
@@ -28,4 +27,10 @@ def output(cfg: DictConfig) -> Path:
         OmegaConf.update(sub, "rollout.shard", k)
         shard_dirs.append(rollout_stage.output(sub))
     order = [r["id"] for r in rollout_stage.calib_rows(cfg)]
-    return run_stage("merge", out, key, lambda tmp: merge_rollouts(shard_dirs, order, tmp), force=forced(cfg, "merge"))
+
+    def build(tmp: Path) -> dict[str, Any]:
+        from pipeline.rollout import merge_rollouts
+
+        return merge_rollouts(shard_dirs, order, tmp)
+
+    return run_stage("merge", out, key, build, force=forced(cfg, "merge"))

@@ -22,16 +22,16 @@ READS = ("profile.recalib_prompts", "profile.max_new_tokens", "profile.rank_cap"
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.recalibrate import recalibrate
-    from pipeline.rollout import load_rollout
-
-    cands = grow_stage.candidate_trees(cfg)
     rollout_dir = merge_stage.output(cfg)
     rows = split_rows(cfg, "calib", int(cfg.profile.recalib_prompts))
     key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(rows),
            "rollout": output_digest(rollout_dir), "grow": output_digest(grow_stage.output(cfg))}
 
     def build(tmp: Path) -> dict[str, Any]:
+        from pipeline.recalibrate import recalibrate
+        from pipeline.rollout import load_rollout
+
+        cands = grow_stage.candidate_trees(cfg)
         rollouts = {r["id"]: r for r in load_rollout(rollout_dir)}
         dec = tree_decoder(cfg, [c["tree"] for c in cands])
         res = recalibrate(dec, [c["tree"] for c in cands], rows, rollouts, int(cfg.profile.max_new_tokens),

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.artifacts import atomic_write_json, machine_info, read_json, run_stage
+from pipeline.artifacts import atomic_write_json, machine_info, machine_key, read_json, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
 from pipeline.loaders import resolve_dtype, runtime_key, sampler_from_cfg, tree_decoder
 from pipeline.paths import Layout
@@ -27,23 +27,23 @@ READS = ("time", "profile.timing_prompts", "profile.max_new_tokens", "sampling",
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.step_cost import cost_contexts, measure_step_cost, step_clock, tree_entries
-    from pipeline.timing import e2e_tokens_per_second, prune_by_cost, time_head_chain, time_trees
-    from runtime.decoder import HEAD_SIGNALS
-    from runtime.tree import Tree
-    from tqdm.auto import tqdm
-
-    cands = grow_stage.candidate_trees(cfg)
     rows = split_rows(cfg, "calib", int(cfg.profile.timing_prompts))
     key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(rows),
            "grow": output_digest(grow_stage.output(cfg)),
-           "machine": {k: v for k, v in machine_info().items() if k != "torch_threads"}}
+           "machine": machine_key(str(cfg.device))}
     exact = cfg.acceptance.kind == "exact"
     if not exact:
         recal_dir = recalibrate_stage.output(cfg)
         key["recalibrate"] = output_digest(recal_dir)
 
     def build(tmp: Path) -> dict[str, Any]:
+        from pipeline.step_cost import cost_contexts, measure_step_cost, step_clock, tree_entries
+        from pipeline.timing import e2e_tokens_per_second, prune_by_cost, time_head_chain, time_trees
+        from runtime.decoder import HEAD_SIGNALS
+        from runtime.tree import Tree
+        from tqdm.auto import tqdm
+
+        cands = grow_stage.candidate_trees(cfg)
         tc = cfg.time
         if exact:
             per_tree_tps = [c["replay_tokens_per_step"] for c in cands]
