@@ -53,17 +53,23 @@ MANIFEST = "manifest.json"
 _log = logging.getLogger(__name__)
 # What a process does once before its first build (seeding torch, its thread count): kept out of
 # the up-to-date path so that checking a finished pipeline never imports torch (3 s of start-up).
-_before_first_build: list[Callable[[], None]] = []
+_pending_setup: Callable[[], None] | None = None
 
 
 def before_first_build(setup: Callable[[], None]) -> None:
-    """Run `setup()` once, just before this process's first stage build (not at all when all is up to date)."""
-    _before_first_build.append(setup)
+    """Run `setup()` just before this process's next stage build (not at all when all is up to
+    date); a later call replaces a setup that has not run yet."""
+    global _pending_setup
+    _pending_setup = setup
 
 
-def _run_build_setup() -> None:
-    while _before_first_build:
-        _before_first_build.pop(0)()
+def run_build_setup() -> None:
+    """Run the pending `before_first_build` setup now (`run_stage` does before a build; so does
+    other work that measures outside a stage build, e.g. the dtype benchmark)."""
+    global _pending_setup
+    setup, _pending_setup = _pending_setup, None
+    if setup is not None:
+        setup()
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -335,7 +341,7 @@ def run_stage(
         if not force and reason is None:
             log(f"[{name}] up to date: {out_dir}")
             return out_dir
-        _run_build_setup()
+        run_build_setup()
         if os.path.lexists(out_dir):
             log(f"[{name}] rebuilding {out_dir}: {'forced' if force else reason}")
         out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.artifacts import atomic_write_json, cpu_identity, machine_info, read_json
+from pipeline.artifacts import atomic_write_json, cpu_identity, machine_info, read_json, run_build_setup
 from pipeline.graph import once_per_config, plain
 from pipeline.model import resolve_max_seq_len
 from pipeline.paths import Layout
@@ -66,6 +66,7 @@ def resolve_dtype(cfg: DictConfig) -> str:
         doc = read_json(f)
         if all(doc.get("machine", {}).get(k) == v for k, v in here.items()):
             return doc["dtype"]
+    run_build_setup()  # a measurement: seeded, at the configured thread count
     choice = pick_decode_dtype(model_stage.output(cfg), invariant_rows=rows)
     atomic_write_json(f, {**choice, "machine": machine_info()})
     return choice["dtype"]
