@@ -131,20 +131,18 @@ def cpu_identity() -> dict[str, Any]:
     return {"cpu": _cpu_name_and_flags()[0], "cores": os.cpu_count()}
 
 
+def _machine(cuda: str | None, torch_version: str) -> dict[str, Any]:
+    cpu, flags = _cpu_name_and_flags()
+    return {"cpu": cpu, "cores": os.cpu_count(), "amx": "amx_bf16" in flags, "torch": torch_version, "cuda": cuda,
+            "platform": platform.platform()}
+
+
 def machine_info() -> dict[str, Any]:
     """What a timing figure was measured on: CPU model, cores, AMX, torch threads."""
     import torch
 
-    cpu, flags = _cpu_name_and_flags()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "amx": "amx_bf16" in flags,
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "platform": platform.platform(),
-    }
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {**_machine(cuda, torch.__version__), "torch_threads": torch.get_num_threads()}
 
 
 def machine_key(device: str) -> dict[str, Any]:
@@ -152,14 +150,12 @@ def machine_key(device: str) -> dict[str, Any]:
     importing torch (the GPU's name is asked of torch only when the stage runs on one)."""
     import importlib.metadata as md
 
-    cpu, flags = _cpu_name_and_flags()
     cuda = None
     if device.startswith("cuda"):
         import torch
 
         cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "amx": "amx_bf16" in flags, "torch": md.version("torch"),
-            "cuda": cuda, "platform": platform.platform()}
+    return _machine(cuda, md.version("torch"))
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import numpy as np
 from pipeline.paths import Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, hash_obj, run_stage
 from pipeline.model import model_fingerprint
-from runtime.config import CONFIG_FILE, DRAFT_DTYPES, FORMAT, WEIGHTS_FILE, HeadsConfig
+from runtime.config import CONFIG_FILE, DRAFT_DTYPES, WEIGHTS_FILE, HeadsConfig
 
 if TYPE_CHECKING:  # torch is imported where heads are built: an up-to-date check reads checksums only
     import torch
@@ -270,16 +270,13 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
 def check_shared_output(folder: str | Path) -> None:
     """Refuse heads whose output layers are their own (published Hydra/Hydra++/Medusa folders, or
     project heads with output own/draft): a draft vocabulary restricts the base lm_head they share."""
+    from pipeline.heads_import import heads_folder_kind
+
     folder = Path(folder)
-    cfg_file = folder / CONFIG_FILE
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{folder} holds no {CONFIG_FILE}: expected a heads folder")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("format") == FORMAT:
-        output, what = cfg.get("output"), f"project heads with output={cfg.get('output')!r}"
-    else:  # a published layout (the heads stage converts it); its heads carry their own lm_head
-        output, what = "own", f"a published {'hydra' if 'hydra_num_heads' in cfg else 'medusa'} folder"
+    kind = heads_folder_kind(folder)
+    output = json.loads((folder / CONFIG_FILE).read_text()).get("output") if kind == "project" else "own"
     if output != "shared":
+        what = f"a published {kind} folder" if kind != "project" else f"project heads with output={output!r}"
         raise ValueError(f"{folder} is {what}: its heads have their own output layers, and the draft vocabulary "
                          "(heads.draft_vocab.size) restricts the shared lm_head; set heads.draft_vocab.size=null")
 

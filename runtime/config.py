@@ -139,7 +139,7 @@ def _read_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 # ----------------------------------------------------------------------------------------------
-# RoPE
+# Draft heads
 
 
 KINDS = ("hydra", "medusa")

@@ -32,6 +32,10 @@ from runtime.config import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelArg
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
 def rope_inv_freq(args: ModelArgs, device: torch.device | str = "cpu") -> Tensor:
     """Per-pair inverse frequencies (float32, [head_dim/2], on `device`) with the checkpoint's scaling applied."""
     hd = args.head_dim
