@@ -28,10 +28,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _build_bank(dtype: str, root: Path) -> Path:
     """Run the pipeline on the GPU in its own artifacts folder; return the bank folder."""
-    from pipeline.paths import Layout, default_model_name
+    from pipeline.benchmarks.temperature_frontiers import compose_cfg
+    from pipeline.paths import Layout, default_model_name, heads_run_name
 
-    # the shipped default heads (Hydra over the 8k draft vocabulary), used as they are
-    name = "hydra-draft8192"
+    # the shipped default heads (those the default config decodes with), used as they are
+    name = heads_run_name(compose_cfg([]).heads)
     heads = REPO / Layout.for_model("artifacts", default_model_name()).heads_dir(name)
     cmd = [sys.executable, "-m", "pipeline", "stage=bank", "task=humaneval", "device=cuda", f"dtype={dtype}",
            f"artifacts_dir={root}", f"data_dir={root / 'data'}", f"heads.dir={heads}", f"heads.name={name}",
