@@ -33,6 +33,12 @@ def policy_settings(cfg: DictConfig) -> dict[str, Any]:
     return {k: v for k, v in plain(cfg.policy).items() if v is not None}
 
 
+def _bank_config(cfg: DictConfig) -> dict:
+    """The config the bank was built from, less the invocation's own switches (`stage`, `force`):
+    a bank built through `make eval` or by a forced rebuild records the same settings."""
+    return {k: v for k, v in plain(cfg).items() if k not in ("stage", "force")}
+
+
 @once_per_config
 def output(cfg: DictConfig) -> Path:
     lay = Layout.from_cfg(cfg)
@@ -64,7 +70,7 @@ def output(cfg: DictConfig) -> Path:
                 "calib_hash": rows_hash(calib_rows(cfg)), "dtype": rk["dtype"],
                 # the arithmetic its figures were measured in (runtime.api.EntMTP.load uses it by default)
                 "lossless": str(cfg.lossless), "invariant_rows": rk.get("invariant_rows"),
-                "machine": read_json(time_dir / "timing.json")["machine"], "config": plain(cfg),
+                "machine": read_json(time_dir / "timing.json")["machine"], "config": _bank_config(cfg),
             },
         )
 
