@@ -30,6 +30,28 @@ _MEMO: dict[tuple[str, str], Any] = {}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def compose_cfg(overrides: list[str]) -> DictConfig:
+    """The pipeline config for `overrides`, composed as `python -m pipeline` would (same schema,
+    defaults and overrides; hydra's own node removed, as under hydra.main), for tools that run
+    stages without hydra.main."""
+    import os
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+    from pipeline.paths import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        cfg.hydra.runtime.cwd = os.getcwd()  # what hydra.main sets; the default paths hang off it
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
+
+
 def plain(node: Any) -> Any:
     """A config node as plain Python (resolved); other values unchanged."""
     if isinstance(node, (DictConfig, ListConfig)):

@@ -12,12 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
-
-import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
-from pipeline.graph import run
+from pipeline.graph import compose_cfg, run
 from pipeline.paths import CONF_DIR
 
 
@@ -32,13 +27,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"NAME is a file of {CONF_DIR / 'heads'}")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     for name in names:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=["stage=heads", f"heads={name}", *overrides], return_hydra_config=True)
-            cfg.hydra.runtime.cwd = os.getcwd()  # what hydra.main sets; the default paths hang off it
-            HydraConfig.instance().set_config(cfg)
-            with open_dict(cfg):  # the job sees the config without hydra's own node, as under hydra.main
-                del cfg["hydra"]
-            print(Path(run(cfg)))
+        print(Path(run(compose_cfg(["stage=heads", f"heads={name}", *overrides]))))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _build_bank(dtype: str, root: Path) -> Path:
     """Run the pipeline on the GPU in its own artifacts folder; return the bank folder."""
-    from pipeline.benchmarks.temperature_frontiers import compose_cfg
+    from pipeline.graph import compose_cfg
     from pipeline.paths import Layout, default_model_name, heads_run_name
 
     # the shipped default heads (those the default config decodes with), used as they are

@@ -21,27 +21,13 @@ from typing import Any
 
 import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
 from pipeline.artifacts import atomic_write_bytes, machine_info, read_json
-from pipeline.paths import CONF_DIR, Layout
+from pipeline.graph import compose_cfg
+from pipeline.paths import Layout
 
 log = logging.getLogger(__name__)
 
 # the draft-node counts the summary table reads the frontier at (as the README's bank figures)
 SUMMARY_DRAFT_NODES = (1, 4, 16, 64)
-
-
-def compose_cfg(overrides: list[str]) -> Any:
-    """The pipeline config for `overrides`, as `python -m pipeline` would compose it."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
-        cfg.hydra.runtime.cwd = os.getcwd()  # what hydra.main sets; the default paths hang off it
-        HydraConfig.instance().set_config(cfg)
-        with open_dict(cfg):
-            del cfg["hydra"]
-    return cfg
 
 
 def frontier_rows(frontier_doc: dict[str, Any], temperature: float) -> list[dict[str, Any]]:
