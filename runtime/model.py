@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime import small_rows
 from runtime.config import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelArgs, _read_rope  # noqa: F401 - re-exported
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -79,42 +80,58 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 # Rows up to which `Linear` multiplies as W @ x^T (see there).
 SMALL_ROWS = 32
+# Rows up to which `Linear` uses the small-row kernel: on a 2-core AVX2 EPYC it beat MKL's F.linear
+# over SmolLM2's layer products at every count measured, 2.6x at 17 rows, 1.5x at 128.
+KERNEL_ROWS = 128
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    """Whether autograd would track an op on these (the C kernels have no backward)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class Linear(nn.Linear):
     """nn.Linear that picks its matrix product by the number of input rows once `add_fast_paths`
-    ran (CPU, float32). Measured on this project's 2-core AVX2 machines with MKL, for the whole
-    SmolLM2 weight set:
-    * one row: x @ W_t with a contiguous [in, out] copy W_t is 1.2-2x (typically ~1.4x) faster
-      than F.linear, which multiplies against the [out, in] weight transposed; the copy doubles
-      the weight memory;
-    * 2..SMALL_ROWS rows: (W @ x^T)^T (one pass over W computing all rows) beats F.linear by
-      1.2-1.8x; it returns a transposed (non-contiguous) view, which the callers accept;
+    ran (CPU, float32):
+    * with `runtime.small_rows` available (x86-64 with AVX2 + FMA and a C compiler), 1..KERNEL_ROWS
+      rows go through its kernel against a packed copy of the weight: one pass over the weights
+      for all rows, and each row's result independent of the row count. On a 2-core AVX2 EPYC the
+      whole SmolLM2 forward at context 300 took 58 / 64 / 79 / 89 ms for 1 / 3 / 5 / 9 new rows,
+      side by side,
+      against 80 / 121 / 120 / 161 ms with the MKL products below;
+    * otherwise, measured with MKL on the same machines: one row as x @ W_t with a contiguous
+      [in, out] copy W_t (1.2-2x faster than F.linear), 2..SMALL_ROWS rows as (W @ x^T)^T (one
+      pass over W for all rows, 1.2-1.8x faster; a transposed view, which the callers accept);
     * more rows (prefill): F.linear.
-    Results differ from F.linear's by float rounding only (~1e-6 relative). Without
-    `add_fast_paths` (GPU, bf16: bf16 products against W_t are ~10x slower here) it is exactly
-    nn.Linear."""
+    Either copy doubles the weight memory. Results differ from F.linear's by float rounding only
+    (~1e-6 relative). Without `add_fast_paths` (GPU, bf16) it is exactly nn.Linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.register_buffer("weight_t", None, persistent=False)  # a buffer, so .to(device) moves it
+        # buffers, so .to(device) moves them
+        self.register_buffer("weight_t", None, persistent=False)
+        self.register_buffer("weight_packed", None, persistent=False)
 
     def add_fast_paths(self) -> None:
-        """Keep the transposed copy (call again if the weight changes; the runtime never trains)."""
-        self.weight_t = self.weight.detach().t().contiguous()
+        """Keep the packed (or transposed) copy; call again if the weight changes (the runtime never
+        trains). Does nothing unless the weight is float32 on the CPU."""
+        w = self.weight.detach()
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            return
+        if small_rows.available():
+            self.weight_packed, self.weight_t = small_rows.pack(w), None
+        else:
+            self.weight_packed, self.weight_t = None, w.t().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
-        wt = self.weight_t
-        # (a float32 check: after a cast to bf16 these products would fall to a slow generic kernel)
-        if wt is not None and wt.dtype == torch.float32 and x.dim() == 2:
-            n = x.shape[0]
-            if n == 1:
-                y = x @ wt
-            elif n <= SMALL_ROWS:
-                y = (self.weight @ x.t()).t()
-            else:
-                return F.linear(x, self.weight, self.bias)
-            return y if self.bias is None else y + self.bias
+        # (the weight's dtype too: after a cast to bf16 the copies are bf16 and not for these paths)
+        if x.dim() == 2 and x.dtype == self.weight.dtype == torch.float32 and not _needs_grad(x, self.weight):
+            if self.weight_packed is not None and x.shape[0] <= KERNEL_ROWS:
+                y = small_rows.matmul(x, self.weight_packed, self.out_features)
+                return y if self.bias is None else y + self.bias
+            if self.weight_t is not None and x.shape[0] <= SMALL_ROWS:
+                y = x @ self.weight_t if x.shape[0] == 1 else (self.weight @ x.t()).t()
+                return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 
@@ -125,7 +142,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # one C++ call instead of five Python-dispatched ones (it matters on the one-token path);
+        # on a CPU in float32 (inference) the small-row kernel's norm: torch's runs as five ops,
+        # ~70 us a row, some 60 times a forward
+        if (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and not _needs_grad(x, self.weight)
+                and small_rows.available()):
+            return small_rows.rms_norm(x, self.weight, self.eps)
         # it computes the statistics in float32 for bf16/fp16 inputs too
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
@@ -399,9 +420,16 @@ class Transformer(nn.Module):
         to the next multiple of P, every matrix product runs on blocks of P rows, and each token attends over its own keys gathered in logical order
         (prefix, then its ancestors by depth), with no mask. AR decoding (one token) and every tree
         verify then produce the same logits for the same position in any dtype. A prefill (mask
-        None, more than one token) keeps the ordinary path: AR and tree decoding share it."""
+        None, more than one token) keeps the ordinary path: AR and tree decoding share it.
+        Where every Linear runs `runtime.small_rows` (float32 on an AVX2 CPU) no padding is needed
+        and P is taken as 1 (`invariant_rows` then reads 1)."""
         if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
             raise ValueError(f"row invariance takes a positive padded row count or None, got {rows!r}")
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if rows is not None and all(m.weight_packed is not None for m in linears):
+            # every product runs the small-row kernel, which rounds a row alike in any call: padding
+            # would only add rows to compute (a one-token AR step would cost an 8-row forward)
+            rows = 1
         if rows is not None:  # fail now, not by diverging later, where this machine's products cannot do it
             layer = self.layers[0]
             for fn in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward, self.output):

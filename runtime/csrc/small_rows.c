@@ -1,0 +1,106 @@
+/* y = x W^T in float32 for a few rows of x (a decode step's tokens), on x86-64 with AVX2 + FMA.
+ *
+ * Why: a decode step multiplies 1..32 activation rows by every weight matrix. The cost is reading
+ * the weights from memory, so a product over R rows should cost little more than over one row.
+ * BLAS libraries tile for large matrices; for 2..8 rows they pack and re-read, and one verify
+ * forward of a 3-node tree costs ~1.5x a one-token forward instead of ~1.1x.
+ *
+ * Layout: W [N, K] is packed once as panels of 16 output rows, P [N/16][K][16] (see
+ * runtime/small_rows.py), so a panel streams contiguously. For each panel and each block of up to
+ * 6 input rows the micro-kernel keeps 6 x 16 partial sums in registers while it walks k: one pass
+ * over the panel serves all the rows (the panel stays in cache for the next block of rows).
+ *
+ * Row invariance: every output y[r, n] is summed in one fixed order whatever R is and whichever
+ * block or thread computes it: a chain of fused multiply-adds over each block of KBLOCK k's in
+ * order, started from 0, and the blocks' sums added in order. (One chain over all of K would be
+ * simpler, but its float32 rounding error grows with K: ~1.2e-4 on SmolLM2's logits against
+ * transformers, where BLAS's blocked sums stay below 1e-4.) So a row's
+ * result is bit-identical in a 1-row and an R-row call; the runtime's exact (row-invariant) mode
+ * relies on it. Build without -ffast-math (which would allow reassociation). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define PANEL 16
+
+#define KBLOCK 64 /* k per partial sum: blocked sums keep float32 rounding near BLAS's (see above) */
+
+#define MICRO_KERNEL(RB)                                                                        \
+    static void rows_##RB(const float *x, const float *p, float *y, int64_t K, int64_t N,      \
+                          int64_t r0, int64_t n0) {                                            \
+        float total[RB][PANEL];                                                                 \
+        for (int i = 0; i < RB; i++)                                                            \
+            for (int j = 0; j < PANEL; j++) total[i][j] = 0.0f;                                 \
+        const float *xr = x + r0 * K;                                                           \
+        for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {                                            \
+            int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;                                     \
+            __m256 lo[RB], hi[RB];                                                              \
+            for (int i = 0; i < RB; i++) {                                                      \
+                lo[i] = _mm256_setzero_ps();                                                    \
+                hi[i] = _mm256_setzero_ps();                                                    \
+            }                                                                                   \
+            for (int64_t k = k0; k < k1; k++) {                                                 \
+                __m256 w_lo = _mm256_loadu_ps(p + PANEL * k);                                   \
+                __m256 w_hi = _mm256_loadu_ps(p + PANEL * k + 8);                               \
+                for (int i = 0; i < RB; i++) {                                                  \
+                    __m256 b = _mm256_broadcast_ss(xr + i * K + k);                             \
+                    lo[i] = _mm256_fmadd_ps(w_lo, b, lo[i]);                                    \
+                    hi[i] = _mm256_fmadd_ps(w_hi, b, hi[i]);                                    \
+                }                                                                               \
+            }                                                                                   \
+            for (int i = 0; i < RB; i++) {                                                      \
+                _mm256_storeu_ps(total[i], _mm256_add_ps(_mm256_loadu_ps(total[i]), lo[i]));   \
+                _mm256_storeu_ps(total[i] + 8, _mm256_add_ps(_mm256_loadu_ps(total[i] + 8), hi[i])); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int i = 0; i < RB; i++)                                                            \
+            for (int j = 0; j < PANEL; j++) y[(r0 + i) * N + n0 + j] = total[i][j];             \
+    }
+
+MICRO_KERNEL(1)
+MICRO_KERNEL(2)
+MICRO_KERNEL(3)
+MICRO_KERNEL(4)
+MICRO_KERNEL(5)
+MICRO_KERNEL(6)
+
+typedef void (*micro_kernel)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
+static const micro_kernel BY_ROWS[7] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6};
+
+/* x [R, K] row-major, P [N/16][K][16], y [R, N] row-major; N a multiple of 16. */
+void small_rows_matmul(const float *x, const float *P, float *y, int64_t R, int64_t K, int64_t N,
+                       int threads) {
+    int64_t panels = N / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < panels; t++) {
+        const float *p = P + t * PANEL * K;
+        int64_t r = 0;
+        for (; r + 6 <= R; r += 6) rows_6(x, p, y, K, N, r, t * PANEL);
+        if (R > r) BY_ROWS[R - r](x, p, y, K, N, r, t * PANEL);
+    }
+}
+
+/* RMSNorm of each row: y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w. torch's CPU rms_norm runs as
+ * five separate ops (~70 us for one 576-wide row, ~60 calls per forward). Each row's sum of squares
+ * runs in the same order for any R (row-invariant, like the product above). */
+void small_rows_rms_norm(const float *x, const float *w, float *y, int64_t R, int64_t D, float eps) {
+    int64_t D8 = D & ~(int64_t)7;
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * D;
+        float *yr = y + r * D;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D8; d += 8) {
+            __m256 v = _mm256_loadu_ps(xr + d);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float lanes[8], ss = 0.0f;
+        _mm256_storeu_ps(lanes, acc);
+        for (int i = 0; i < 8; i++) ss += lanes[i];
+        for (int64_t d = D8; d < D; d++) ss += xr[d] * xr[d];
+        float scale = 1.0f / sqrtf(ss / (float)D + eps);
+        __m256 s = _mm256_set1_ps(scale);
+        for (int64_t d = 0; d < D8; d += 8)
+            _mm256_storeu_ps(yr + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + d), s), _mm256_loadu_ps(w + d)));
+        for (int64_t d = D8; d < D; d++) yr[d] = xr[d] * scale * w[d];
+    }
+}

@@ -1,0 +1,85 @@
+"""The small-row CPU kernel (runtime.small_rows): right products and norms, each row's result
+independent of the row count, and runtime.model using it only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import model as model_mod
+from runtime import small_rows
+
+pytestmark = pytest.mark.skipif(not small_rows.available(),
+                                reason=f"small-row kernel unavailable: {small_rows.unavailable_reason()}")
+
+
+# K not a multiple of the kernel's k block (64) or of 8; N not a multiple of the 16-row panel
+@pytest.mark.parametrize("n_out,k_in", [(48, 64), (100, 37), (16, 200), (33, 576)])
+def test_product_matches_torch_and_each_row_ignores_the_row_count(n_out: int, k_in: int) -> None:
+    g = torch.Generator().manual_seed(n_out * k_in)
+    w = torch.randn(n_out, k_in, generator=g)
+    packed = small_rows.pack(w)
+    assert packed.shape == (-(-n_out // 16), k_in, 16)
+    x = torch.randn(13, k_in, generator=g)
+    y = small_rows.matmul(x, packed, n_out)
+    assert y.shape == (13, n_out)
+    torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-5)
+    singles = [small_rows.matmul(x[i:i + 1], packed, n_out) for i in range(13)]
+    for rows in range(1, 14):  # every row count, so every micro-kernel and remainder path runs
+        got = small_rows.matmul(x[:rows], packed, n_out)
+        for i in range(rows):
+            assert torch.equal(got[i:i + 1], singles[i]), (rows, i)
+
+
+def test_rms_norm_matches_torch_and_each_row_ignores_the_row_count() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 5, 77, generator=g), torch.randn(77, generator=g)
+    y = small_rows.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y, F.rms_norm(x, (77,), w, 1e-5), rtol=1e-5, atol=1e-6)
+    assert torch.equal(y[1, 3], small_rows.rms_norm(x[1, 3:4], w, 1e-5)[0])
+
+
+def test_wrong_inputs_are_refused_with_what_was_given() -> None:
+    packed = small_rows.pack(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="float32"):
+        small_rows.matmul(torch.randn(2, 8, dtype=torch.float64), packed, 16)
+    with pytest.raises(ValueError, match=r"\[R, 8\]"):
+        small_rows.matmul(torch.randn(2, 9), packed, 16)
+    with pytest.raises(ValueError, match="2-D float32 CPU"):
+        small_rows.pack(torch.randn(16, 8).to(torch.bfloat16))
+
+
+def test_linear_uses_the_kernel_for_inference_and_torch_under_autograd() -> None:
+    torch.manual_seed(0)
+    lin = model_mod.Linear(40, 24, bias=True)
+    x = torch.randn(5, 40)
+    want = F.linear(x, lin.weight, lin.bias)
+    lin.add_fast_paths()
+    assert lin.weight_packed is not None and lin.weight_t is None
+    with torch.no_grad():
+        fast = lin(x)
+        torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(fast[2:3], lin(x[2:3]))
+    # a trainable weight with grad on: the kernel has no backward, so torch's product runs
+    y = lin(x)
+    y.sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.shape == (24, 40)
+    bf16 = model_mod.Linear(40, 24, bias=False).to(torch.bfloat16)
+    bf16.add_fast_paths()  # not float32: nothing to pack
+    assert bf16.weight_packed is None and bf16.weight_t is None
+
+
+def test_a_disabled_kernel_says_why_and_linear_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENTMTP_SMALL_ROWS", "0")
+    monkeypatch.setattr(small_rows, "_probed", False)
+    monkeypatch.setattr(small_rows, "_lib", None)
+    monkeypatch.setattr(small_rows, "_reason", None)
+    assert not small_rows.available()
+    assert "ENTMTP_SMALL_ROWS=0" in (small_rows.unavailable_reason() or "")
+    lin = model_mod.Linear(40, 24, bias=False)
+    lin.add_fast_paths()
+    assert lin.weight_packed is None and lin.weight_t is not None
+    x = torch.randn(3, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
