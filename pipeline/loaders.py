@@ -61,14 +61,19 @@ def resolve_dtype(cfg: DictConfig) -> str:
     rows = invariant_rows(cfg)
     lay = Layout.from_cfg(cfg)
     f = lay.dtype_choice if rows is None else lay.dtype_choice_invariant(rows)
+    from runtime import small_rows
+
     here = cpu_identity()
+    # the float32 products differ with and without the small-row kernel: a choice measured with the
+    # other one (or before it existed) is measured again
+    kernel = small_rows.available()
     if f.is_file():
         doc = read_json(f)
-        if all(doc.get("machine", {}).get(k) == v for k, v in here.items()):
+        if all(doc.get("machine", {}).get(k) == v for k, v in here.items()) and doc.get("small_rows") == kernel:
             return doc["dtype"]
     run_build_setup()  # a measurement: seeded, at the configured thread count
     choice = pick_decode_dtype(model_stage.output(cfg), invariant_rows=rows)
-    atomic_write_json(f, {**choice, "machine": machine_info()})
+    atomic_write_json(f, {**choice, "machine": machine_info(), "small_rows": kernel})
     return choice["dtype"]
 
 

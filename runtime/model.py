@@ -216,15 +216,21 @@ def by_row_blocks(fn: nn.Module, x: Tensor, rows: int) -> Tensor:
 @dataclass
 class RowPlan:
     """How one row-invariant forward (see `Transformer.set_row_invariance`) attends: shared by all
-    layers. `groups` holds (row indices, key slots [r, L]) per key count L: each listed row attends
-    to exactly those cache slots, in that order (the committed prefix, then its ancestors among the
-    new tokens by depth, itself last), which is the order AR holds the same keys in. Pad rows
-    (`real` and after) are in no group: they exist for the matrix products' row count only."""
+    layers. Each real row attends to exactly its own cache slots, in the order AR holds the same
+    keys: the committed prefix (slots 0 .. write_at-1), then its ancestors among the new tokens by
+    depth, itself last. Pad rows (`real` and after) attend to nothing: they exist for the matrix
+    products' row count only. Two encodings, one per attention path:
+    * `groups` (torch's SDPA): (row indices, key slots [r, L]) per key count L;
+    * `offsets`, `slots`, `longest` (`runtime.small_rows.attention`): row i's new-token slots are
+      slots[offsets[i]:offsets[i+1]]; `longest` is the longest such list."""
 
     write_at: int   # cache slot of row 0's K/V
     real: int       # rows that are tokens; the rest are padding
-    groups: list[tuple[Tensor, Tensor]]
     block: int      # the padded row count every matrix product sees (`by_row_blocks`)
+    groups: list[tuple[Tensor, Tensor]] | None = None
+    offsets: Tensor | None = None
+    slots: Tensor | None = None
+    longest: int = 0
 
 
 def _mask_ancestors(mask: Tensor | None, n: int) -> list[list[int]]:
@@ -240,28 +246,39 @@ def _mask_ancestors(mask: Tensor | None, n: int) -> list[list[int]]:
     return ancestors
 
 
-# ancestor lists (a tree's shape) -> per key count: (row indices, the rows' new-token keys as offsets
-# from the first new slot), on each device: built once per tree, so a step copies nothing to the device
-_ROW_GROUPS: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+# (ancestor lists (a tree's shape), device, encoding) -> the plan's slots relative to the first new
+# slot: built once per tree, so a step copies nothing to the device
+_ROW_GROUPS: dict[tuple, Any] = {}
 
 
-def row_plan(start: int, ancestors: list[list[int]], device: torch.device, block: int) -> RowPlan:
+def row_plan(start: int, ancestors: list[list[int]], device: torch.device, block: int,
+             kernel: bool = False) -> RowPlan:
     """The plan for the new tokens of a forward that appends after `start` committed slots;
     ancestors[i] lists the new tokens (indices, increasing, i itself last) token i attends to;
-    `block` is the row count of every matrix product."""
-    shape = (tuple(map(tuple, ancestors)), str(device))
+    `block` is the row count of every matrix product; `kernel`: encode it for
+    `runtime.small_rows.attention` instead of SDPA."""
+    shape = (tuple(map(tuple, ancestors)), str(device), kernel)
     rel = _ROW_GROUPS.get(shape)
     if rel is None:
-        by_count: dict[int, list[int]] = {}
-        for i, anc in enumerate(ancestors):
-            by_count.setdefault(len(anc), []).append(i)
-        rel = [(torch.tensor(members, dtype=torch.long, device=device),
-                torch.tensor([ancestors[i] for i in members], dtype=torch.long, device=device))
-               for members in by_count.values()]
+        if kernel:
+            lengths = [len(a) for a in ancestors]
+            offsets = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
+            rel = (offsets, torch.tensor([j for a in ancestors for j in a], dtype=torch.long), max(lengths))
+        else:
+            by_count: dict[int, list[int]] = {}
+            for i, anc in enumerate(ancestors):
+                by_count.setdefault(len(anc), []).append(i)
+            rel = [(torch.tensor(members, dtype=torch.long, device=device),
+                    torch.tensor([ancestors[i] for i in members], dtype=torch.long, device=device))
+                   for members in by_count.values()]
         _ROW_GROUPS[shape] = rel
+    if kernel:
+        offsets, slots, longest = rel
+        return RowPlan(write_at=start, real=len(ancestors), block=block, offsets=offsets, slots=slots + start,
+                       longest=longest)
     prefix = torch.arange(start, device=device)
     groups = [(members, torch.cat([prefix.expand(len(members), start), tail + start], dim=1)) for members, tail in rel]
-    return RowPlan(write_at=start, real=len(ancestors), groups=groups, block=block)
+    return RowPlan(write_at=start, real=len(ancestors), block=block, groups=groups)
 
 
 class Attention(nn.Module):
@@ -303,8 +320,13 @@ class Attention(nn.Module):
         at, real = plan.write_at, plan.real
         kv[0, :, at:at + real] = qk[:real, h:].transpose(0, 1)
         kv[1, :, at:at + real] = qkv[:real, h + kvh:].transpose(0, 1)
+        if plan.slots is not None:  # the small-row kernel reads each row's slots in place
+            out = small_rows.attention(qk[:, :h], kv[0], kv[1], at, plan.offsets, plan.slots, plan.longest,
+                                       1.0 / math.sqrt(hd))
+            return by_row_blocks(self.wo, out.view(rows, h * hd), plan.block)
         q = qk[:, :h].view(rows, kvh, groups, hd)
         out = torch.empty_like(q)
+        assert plan.groups is not None
         for members, keys in plan.groups:
             r, length = keys.shape
             # [kvh, r*L, hd] -> [r, kvh, L, hd]: each row's keys, in the order AR would hold them
@@ -364,6 +386,7 @@ class Transformer(nn.Module):
         self._cache_len = 0
         self.max_seq_len = 0
         self.invariant_rows: int | None = None  # see set_row_invariance
+        self._kernel_decode = False  # see kernel_decode
 
     # -- cache ------------------------------------------------------------------------------
 
@@ -405,9 +428,22 @@ class Transformer(nn.Module):
     def add_fast_paths(self) -> None:
         """Switch every Linear to the row-count-dependent products (worth it on CPU in float32;
         costs a second copy of the weights, see `Linear`)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.add_fast_paths()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for module in linears:
+            module.add_fast_paths()
+        self.kernel_decode = all(m.weight_packed is not None for m in linears)
+
+    @property
+    def kernel_decode(self) -> bool:
+        """Whether decode forwards run on `runtime.small_rows` (float32 on an AVX2 CPU, after
+        `add_fast_paths`): every product, norm and attention row-invariant by construction, so
+        each decode forward takes the row-invariant path at no extra cost, under either lossless
+        mode (the arithmetic is the same: AR and tree verify agree bit for bit)."""
+        return self._kernel_decode and self.dtype == torch.float32 and self.device.type == "cpu"
+
+    @kernel_decode.setter
+    def kernel_decode(self, on: bool) -> None:
+        self._kernel_decode = bool(on)
 
     def set_row_invariance(self, rows: int | None) -> None:
         """Make every decode forward compute each token's row bit-identically however many tokens
@@ -425,8 +461,7 @@ class Transformer(nn.Module):
         and P is taken as 1 (`invariant_rows` then reads 1)."""
         if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
             raise ValueError(f"row invariance takes a positive padded row count or None, got {rows!r}")
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if rows is not None and all(m.weight_packed is not None for m in linears):
+        if rows is not None and self.kernel_decode:
             # every product runs the small-row kernel, which rounds a row alike in any call: padding
             # would only add rows to compute (a one-token AR step would cost an 8-row forward)
             rows = 1
@@ -480,15 +515,18 @@ class Transformer(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------
 
-    def _attention_mask(self, mask: Tensor | None, start: int, n: int, check: bool) -> Tensor | None:
-        """Boolean mask [groups*n, start+n] for SDPA (True = may attend), or None for one token
-        that sees everything. Built once per call and shared by all layers."""
+    @staticmethod
+    def _check_mask(mask: Tensor | None, n: int, check: bool) -> None:
         if mask is not None:
             if mask.shape != (n, n) or mask.dtype != torch.bool:
                 raise ValueError(f"mask must be a bool tensor of shape ({n}, {n}), got {tuple(mask.shape)} "
                                  f"{mask.dtype}")
             if check and not bool(mask.diagonal().all()):
                 raise ValueError("mask must let every new token attend to itself (its diagonal must be True)")
+
+    def _attention_mask(self, mask: Tensor | None, start: int, n: int) -> Tensor | None:
+        """Boolean mask [groups*n, start+n] for SDPA (True = may attend), or None for one token
+        that sees everything. Built once per call and shared by all layers."""
         if n == 1:
             return None
         full = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
@@ -524,9 +562,10 @@ class Transformer(nn.Module):
         if start + n > self.max_seq_len:
             raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
                              "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
-        if self.invariant_rows is not None and (mask is not None or n == 1):
+        self._check_mask(mask, n, check_mask and ancestors is None)
+        if (self.invariant_rows is not None or self.kernel_decode) and (mask is not None or n == 1):
             return self._forward_invariant(tokens, input_pos, mask, last_only, ancestors)
-        attn_mask = self._attention_mask(mask, start, n, check_mask)
+        attn_mask = self._attention_mask(mask, start, n)
         cos = self.rope_cos[input_pos].unsqueeze(1)
         sin = self.rope_sin[input_pos].unsqueeze(1)
 
@@ -544,13 +583,14 @@ class Transformer(nn.Module):
         """`forward` under row invariance (see `set_row_invariance`): the tokens padded to a multiple
         of `invariant_rows` rows, every matrix product on blocks of that many. Reads the mask on the
         host unless `ancestors` (each new token's ancestors among the new tokens, itself last) is given."""
-        rows = self.invariant_rows
+        kernel = self.kernel_decode
+        rows = 1 if kernel else self.invariant_rows
         assert rows is not None
         n, start, dev = tokens.shape[1], self._cache_len, self.device
         if ancestors is None:  # a compiled tree passes its own, checked when it was compiled
             ancestors = _mask_ancestors(mask, n)
         padded = -(-n // rows) * rows
-        plan = row_plan(start, ancestors, dev, rows)
+        plan = row_plan(start, ancestors, dev, rows, kernel=kernel)
         pad = padded - n
         if pad:  # pad rows repeat the first token; their results are dropped
             tokens = torch.cat([tokens[0], tokens[0, :1].expand(pad)])[None]

@@ -1,12 +1,13 @@
-"""A float32 product y = x W^T for the few rows of a decode step (and an RMSNorm), on x86-64
-CPUs with AVX2 + FMA.
+"""The float32 arithmetic of a decode step's few rows on x86-64 CPUs with AVX2 + FMA: the product
+y = x W^T, RMSNorm, and attention over each row's own list of cache slots.
 
 Why it exists: on a CPU a decode step is bound by reading the weights, so verifying a tree of R
 tokens should cost about one token's forward. torch's BLAS (MKL) re-reads or repacks the weights
 for 2..32 rows; on a 2-core AVX2 EPYC a 3-token forward cost 1.5x a one-token forward with it and
 ~1.1x with this kernel, and the one-token forward itself got ~1.4x faster. See
-`runtime/csrc/small_rows.c` for the kernel and why each row's result does not depend on how many
-rows the call holds (the exact lossless mode needs that).
+`runtime/csrc/small_rows.c` for the kernels and why each row's result does not depend on how many
+rows the call holds or where its keys sit in the cache: with all three, every decode forward is
+row-invariant by construction, so the exact lossless mode costs nothing extra.
 
 The kernel is plain C compiled once per machine with the system C compiler into a cache folder
 (`$ENTMTP_CACHE_DIR`, else `$XDG_CACHE_HOME/entmtp`, else `~/.cache/entmtp`) and loaded with
@@ -32,7 +33,9 @@ from torch import Tensor
 
 PANEL = 16  # output rows per packed panel (the kernel's register tile is 6 rows x 16 outputs)
 _SOURCE = Path(__file__).parent / "csrc" / "small_rows.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-lm"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Werror=implicit-function-declaration",
+          "-Wl,--no-undefined"]
+_LIBS = ["-lm"]  # after the source: the linker resolves left to right
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the kernel is unavailable; None = not probed yet or available
@@ -61,7 +64,7 @@ def _build(compiler: str) -> Path:
     Written under a temporary name and renamed, so concurrent first uses cannot load half a file."""
     source = _SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    digest = hashlib.sha256(source + " ".join(_FLAGS + [version]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(_FLAGS + _LIBS + [version]).encode()).hexdigest()[:16]
     folder = _cache_dir() / "kernels"
     target = folder / f"small_rows-{digest}.so"
     if target.exists():
@@ -70,7 +73,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, *_LIBS], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {_SOURCE}: {done.stderr.strip()[:500]}")
         os.replace(tmp, target)
@@ -99,7 +102,8 @@ def _load() -> None:
         return
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError) as err:
+        lib.small_rows_matmul, lib.small_rows_rms_norm, lib.small_rows_attention  # noqa: B018 - all there?
+    except (OSError, RuntimeError, AttributeError) as err:
         _reason = f"could not build or load the kernel: {err}"
         warnings.warn(f"EntMTP small-row kernel unavailable, using torch's products: {_reason}", stacklevel=3)
         return
@@ -110,6 +114,10 @@ def _load() -> None:
     norm = lib.small_rows_rms_norm
     norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
     norm.restype = None
+    attend = lib.small_rows_attention
+    attend.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 \
+        + [ctypes.c_float, ctypes.c_int]
+    attend.restype = None
     _lib = lib
 
 
@@ -163,3 +171,25 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     d = x.shape[-1]
     _lib.small_rows_rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // d, d, eps)
     return y
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, prefix: int, offsets: Tensor, slots: Tensor,
+              longest: int, scale: float) -> Tensor:
+    """Softmax attention of float32 query rows q [R, H, D], row r over the cache slots 0..prefix-1
+    and then slots[offsets[r]:offsets[r+1]] (int64, in that order), of one layer's caches k_cache,
+    v_cache [KVH, S, D] (contiguous; query head h reads KV head h // (H // KVH)). `longest`: the
+    longest of those lists. Returns [R, H, D]. Each row's result depends only on its query and its
+    keys in that order, not on R or on where the keys sit (see small_rows.c). Call only when
+    `available()`."""
+    assert _lib is not None, "small_rows.attention called where available() is False"
+    r, h, d = q.shape
+    kvh, s, _ = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        raise ValueError("attention takes float32 queries and contiguous float32 caches [KVH, S, D]")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    scores = torch.empty(r * h * (prefix + longest), dtype=torch.float32)
+    _lib.small_rows_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), s, prefix,
+                              offsets.data_ptr(), slots.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                              r, h, kvh, d, longest, scale, torch.get_num_threads())
+    return out

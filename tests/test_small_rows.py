@@ -83,3 +83,27 @@ def test_a_disabled_kernel_says_why_and_linear_falls_back(monkeypatch: pytest.Mo
     x = torch.randn(3, 40)
     with torch.no_grad():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_matches_softmax_and_ignores_row_count_and_key_placement() -> None:
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, slots_total, prefix = 6, 2, 24, 40, 13
+    k, v = torch.randn(kv_heads, slots_total, dim, generator=g), torch.randn(kv_heads, slots_total, dim, generator=g)
+    lists = [[13], [13, 14], [13, 15], [13, 14, 16]]  # a small tree after 13 committed slots
+    offsets = torch.tensor([0] + [len(a) for a in lists]).cumsum(0)
+    slots = torch.tensor([j for a in lists for j in a])
+    q = torch.randn(len(lists), heads, dim, generator=g)
+    out = small_rows.attention(q, k, v, prefix, offsets, slots, 3, dim ** -0.5)
+    for r, own in enumerate(lists):
+        keys = list(range(prefix)) + own
+        for h in range(heads):
+            kh, vh = k[h // (heads // kv_heads), keys], v[h // (heads // kv_heads), keys]
+            want = torch.softmax(q[r, h] @ kh.t() * dim ** -0.5, -1) @ vh
+            torch.testing.assert_close(out[r, h], want, rtol=1e-5, atol=1e-6)
+    # the last row alone, and with its own keys moved to other slots (as AR holds them): bit-identical
+    alone = small_rows.attention(q[3:], k, v, prefix, torch.tensor([0, 3]), slots[offsets[3]:], 3, dim ** -0.5)
+    assert torch.equal(alone[0], out[3])
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 30:33], v2[:, 30:33] = k[:, [13, 14, 16]], v[:, [13, 14, 16]]
+    moved = small_rows.attention(q[3:], k2, v2, prefix, torch.tensor([0, 3]), torch.tensor([30, 31, 32]), 3, dim ** -0.5)
+    assert torch.equal(moved[0], out[3])

@@ -104,3 +104,96 @@ void small_rows_rms_norm(const float *x, const float *w, float *y, int64_t R, in
         for (int64_t d = D8; d < D; d++) yr[d] = xr[d] * scale * w[d];
     }
 }
+
+/* exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial
+ * (Cephes' expf coefficients), 2^n by the exponent bits. ~1 ulp; inputs below -87.3 give 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum8(__m256 v) {  /* fixed order: (lo + hi), then pairs, then the last two */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    int64_t D8 = D & ~(int64_t)7;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    float s = hsum8(acc);
+    for (int64_t d = D8; d < D; d++) s += a[d] * b[d];
+    return s;
+}
+
+/* Softmax attention of R query rows, each over its own list of key slots: cache slots
+ * 0..prefix-1, then slots[offsets[r] .. offsets[r+1]) (a tree token's ancestors, itself last).
+ * q, out [R, H, D]; k, v: one layer's cache [KVH, S, D]; query head h reads KV head h / (H/KVH).
+ * A row's result depends only on its query and its keys in that order, never on R or on where
+ * the keys sit in the cache: AR (one row over contiguous slots) and a tree verify compute it alike.
+ * scores: caller's scratch, R * H * (prefix + longest list) floats. */
+void small_rows_attention(const float *q, const float *k, const float *v, int64_t S, int64_t prefix,
+                          const int64_t *offsets, const int64_t *slots, float *out, float *scores,
+                          int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t longest, float scale,
+                          int threads) {
+    int64_t group = H / KVH, width = prefix + longest;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < R * H; t++) {
+        int64_t r = t / H, h = t % H, g = h / group;
+        const float *qv = q + (r * H + h) * D;
+        const float *kh = k + g * S * D, *vh = v + g * S * D;
+        const int64_t *own = slots + offsets[r];
+        int64_t L = prefix + (offsets[r + 1] - offsets[r]);
+        float *s = scores + t * width;
+        for (int64_t j = 0; j < L; j++) {
+            int64_t slot = j < prefix ? j : own[j - prefix];
+            s[j] = dot(qv, kh + slot * D, D) * scale;
+        }
+        float m = s[0];
+        for (int64_t j = 1; j < L; j++) m = s[j] > m ? s[j] : m;
+        int64_t L8 = L & ~(int64_t)7;
+        __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L8; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+            _mm256_storeu_ps(s + j, e);
+            total = _mm256_add_ps(total, e);
+        }
+        if (L > L8) {  /* the tail through the same exp, padded with -inf-like values that give 0 */
+            float tail[8];
+            for (int i = 0; i < 8; i++) tail[i] = L8 + i < L ? s[L8 + i] - m : -100.0f;
+            __m256 e = exp8(_mm256_loadu_ps(tail));
+            _mm256_storeu_ps(tail, e);
+            for (int64_t j = L8; j < L; j++) s[j] = tail[j - L8];
+            total = _mm256_add_ps(total, e);
+        }
+        float inv = 1.0f / hsum8(total);
+        float *o = out + (r * H + h) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        int64_t D8 = D & ~(int64_t)7;
+        for (int64_t j = 0; j < L; j++) {
+            int64_t slot = j < prefix ? j : own[j - prefix];
+            const float *vv = vh + slot * D;
+            __m256 p = _mm256_set1_ps(s[j]);
+            for (int64_t d = 0; d < D8; d += 8)
+                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + d), _mm256_loadu_ps(o + d)));
+            for (int64_t d = D8; d < D; d++) o[d] += s[j] * vv[d];
+        }
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
