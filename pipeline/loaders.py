@@ -87,8 +87,11 @@ def _load_runtime(model_dir: str, heads_dir: str, dtype: str, max_seq_len: int, 
 
     model = load_model(model_dir, dtype=getattr(torch, dtype), max_seq_len=max_seq_len, device=device)
     model.set_row_invariance(rows)
-    log.info("[runtime] %s, lossless %s", dtype,
-             f"exact (row-invariant forwards of {rows} rows)" if rows else "numerical (ordinary arithmetic)")
+    if model.kernel_decode:
+        how = f"{'exact' if rows else 'numerical'} (small-row CPU kernels: every decode forward row-invariant, unpadded)"
+    else:
+        how = f"exact (row-invariant forwards of {rows} rows)" if rows else "numerical (ordinary arithmetic)"
+    log.info("[runtime] %s, lossless %s", dtype, how)
     if threads:
         torch.set_num_threads(threads)
     heads = load_heads(heads_dir, model=model)

@@ -63,12 +63,14 @@ class ResBlock(nn.Module):
 
     def __init__(self, in_dim: int, dim: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(in_dim, dim)
+        # runtime.model.Linear: exactly nn.Linear until `add_fast_paths` (load_heads on a CPU in
+        # float32), then the small-row products the base model drafts and verifies with
+        self.linear = Linear(in_dim, dim)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)  # (Medusa zeroes only W; SiLU(b) != 0 would shift h)
         self.residual: nn.Linear | None = None
         if in_dim != dim:
-            self.residual = nn.Linear(in_dim, dim)
+            self.residual = Linear(in_dim, dim)
             with torch.no_grad():
                 self.residual.weight.zero_()
                 self.residual.weight[:, :dim] = torch.eye(dim)
@@ -85,7 +87,7 @@ class Head(nn.Module):
     def __init__(self, in_dim: int, dim: int, num_layers: int, out_dim: int | None, out_bias: bool) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([ResBlock(in_dim, dim)] + [ResBlock(dim, dim) for _ in range(num_layers - 1)])
-        self.out = nn.Linear(dim, out_dim, bias=out_bias) if out_dim is not None else None
+        self.out = Linear(dim, out_dim, bias=out_bias) if out_dim is not None else None
 
 
 class PrefixLayer(nn.Module):
@@ -203,6 +205,14 @@ class DraftHeads(nn.Module):
     @property
     def is_bound(self) -> bool:
         return self._base is not None
+
+    def add_fast_paths(self) -> None:
+        """For inference only (load_heads calls it): every runtime.model.Linear of the heads takes
+        the CPU float32 product paths the base model uses (see `Linear`); a no-op elsewhere.
+        Call again after changing the weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.add_fast_paths()
 
     def bind(self, model: Transformer) -> None:
         """Use `model`'s token embeddings (Hydra) and lm_head (shared output); size the prefix cache."""
@@ -657,4 +667,6 @@ def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torc
     heads = build_heads(config, state, str(wfile), target, model.device if model is not None else "cpu")
     if model is not None:
         heads.bind(model)
-    return heads.eval().requires_grad_(False)
+    heads = heads.eval().requires_grad_(False)
+    heads.add_fast_paths()
+    return heads

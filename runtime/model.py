@@ -112,13 +112,14 @@ class Linear(nn.Linear):
         self.register_buffer("weight_t", None, persistent=False)
         self.register_buffer("weight_packed", None, persistent=False)
 
-    def add_fast_paths(self) -> None:
+    def add_fast_paths(self, kernel: bool | None = None) -> None:
         """Keep the packed (or transposed) copy; call again if the weight changes (the runtime never
-        trains). Does nothing unless the weight is float32 on the CPU."""
+        trains). Does nothing unless the weight is float32 on the CPU. kernel: use the small-row
+        kernel (None: where available; False: torch's products, e.g. to compare)."""
         w = self.weight.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu":
             return
-        if small_rows.available():
+        if small_rows.available() if kernel is None else kernel:
             self.weight_packed, self.weight_t = small_rows.pack(w), None
         else:
             self.weight_packed, self.weight_t = None, w.t().contiguous()
@@ -126,7 +127,7 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         # (the weight's dtype too: after a cast to bf16 the copies are bf16 and not for these paths)
         if x.dim() == 2 and x.dtype == self.weight.dtype == torch.float32 and not _needs_grad(x, self.weight):
-            if self.weight_packed is not None and x.shape[0] <= KERNEL_ROWS:
+            if self.weight_packed is not None and x.shape[0] <= KERNEL_ROWS and x.device.type == "cpu":
                 y = small_rows.matmul(x, self.weight_packed, self.out_features)
                 return y if self.bias is None else y + self.bias
             if self.weight_t is not None and x.shape[0] <= SMALL_ROWS:
@@ -140,12 +141,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.use_kernel = False  # set by Transformer.add_fast_paths where the small-row kernels run
 
     def forward(self, x: Tensor) -> Tensor:
         # on a CPU in float32 (inference) the small-row kernel's norm: torch's runs as five ops,
         # ~70 us a row, some 60 times a forward
-        if (x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu" and not _needs_grad(x, self.weight)
-                and small_rows.available()):
+        if (self.use_kernel and x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
+                and not _needs_grad(x, self.weight)):
             return small_rows.rms_norm(x, self.weight, self.eps)
         # it computes the statistics in float32 for bf16/fp16 inputs too
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -425,13 +427,16 @@ class Transformer(nn.Module):
     def reset_cache(self) -> None:
         self._cache_len = 0
 
-    def add_fast_paths(self) -> None:
+    def add_fast_paths(self, kernel: bool | None = None) -> None:
         """Switch every Linear to the row-count-dependent products (worth it on CPU in float32;
-        costs a second copy of the weights, see `Linear`)."""
+        costs a second copy of the weights, see `Linear`); `kernel` as in `Linear.add_fast_paths`."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
-            module.add_fast_paths()
+            module.add_fast_paths(kernel)
         self.kernel_decode = all(m.weight_packed is not None for m in linears)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.use_kernel = self.kernel_decode
 
     @property
     def kernel_decode(self) -> bool:

@@ -167,6 +167,7 @@ def test_save_load_round_trip(tmp_path, kind: str, prefix: bool, output: str) ->
     assert loaded.config == heads.config
     for k, v in heads.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+    heads.eval().add_fast_paths()  # what load_heads does after reading the weights
     _, h = prefill(model, heads)
     _, h2 = prefill(model, loaded)
     assert torch.equal(h, h2)

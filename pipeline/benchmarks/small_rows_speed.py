@@ -1,0 +1,87 @@
+"""What the small-row CPU kernels (runtime.small_rows) buy: whole base-model forwards and the
+heads' drafting, kernels against torch's products, side by side.
+
+    python -m pipeline.benchmarks.small_rows_speed [--rows 1 2 3 5 9 17 33] [--context 300] [--repeats 9]
+
+Two copies of the default model in float32: one with the kernels (`add_fast_paths()`), one with
+torch's products (`add_fast_paths(kernel=False)`, the MKL paths `runtime.model.Linear` describes,
+and SDPA attention). For each row count N, a forward of N new tokens (a chain: each attends to the
+ones before it) after a `--context`-token cache, wall clock, median of `--repeats` rounds that
+interleave both models. Prints ms and each forward's cost in one-token forwards of the same model.
+Writes artifacts/reports/benchmarks/small_rows_speed.{csv,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pipeline.artifacts import atomic_write_json, machine_info
+from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
+from runtime import small_rows
+from runtime.model import Transformer, load_model
+
+
+def forward_ms(model: Transformer, context: torch.Tensor, rows: int, gen: torch.Generator) -> float:
+    """One forward of `rows` new tokens after the cached `context`, in ms (the cache is truncated back)."""
+    ctx = context.shape[1]
+    ids = torch.randint(0, model.args.vocab_size, (1, rows), generator=gen)
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril() if rows > 1 else None
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model(ids, torch.arange(ctx, ctx + rows), mask)
+        t = time.perf_counter() - t0
+    model.truncate_cache(ctx)
+    return 1e3 * t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 5, 9, 17, 33])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not small_rows.available():
+        raise SystemExit(f"the small-row kernels are unavailable here: {small_rows.unavailable_reason()}")
+    models = {"kernels": load_model(a.model, max_seq_len=a.context + max(a.rows) + 1)}
+    models["torch"] = load_model(a.model, max_seq_len=a.context + max(a.rows) + 1, fast_paths=False)
+    models["torch"].add_fast_paths(kernel=False)
+    assert models["kernels"].kernel_decode and not models["torch"].kernel_decode
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(0, models["kernels"].args.vocab_size, (1, a.context), generator=gen)
+    for m in models.values():
+        with torch.inference_mode():
+            m(context, torch.arange(a.context))
+        for n in a.rows:  # warm-up (and the row-count probes of the first calls)
+            forward_ms(m, context, n, gen)
+    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in models for n in a.rows}
+    for _ in range(a.repeats):
+        for n in a.rows:
+            for k, m in models.items():
+                times[(k, n)].append(forward_ms(m, context, n, gen))
+    one = {k: median(times[(k, 1)]) for k in models}
+    rows = []
+    for n in a.rows:
+        row = {"rows": n, "context": a.context}
+        for k in models:
+            ms = median(times[(k, n)])
+            row[f"{k}_ms"], row[f"{k}_x_one_row"] = round(ms, 2), round(ms / one[k], 3)
+        row["torch_over_kernels"] = round(row["torch_ms"] / row["kernels_ms"], 3)
+        rows.append(row)
+        print(f"{n:3d} rows: kernels {row['kernels_ms']:6.1f} ms ({row['kernels_x_one_row']:.2f}x one row)   "
+              f"torch {row['torch_ms']:6.1f} ms ({row['torch_x_one_row']:.2f}x)   torch/kernels {row['torch_over_kernels']:.2f}")
+    REPORT_DIR.mkdir(parents=True, exist_ok=True)
+    write_csv(REPORT_DIR / "small_rows_speed.csv", rows)
+    atomic_write_json(REPORT_DIR / "small_rows_speed.json", {"machine": machine_info(), "threads": torch.get_num_threads(),
+                                                              "repeats": a.repeats, "results": rows})
+    print(f"wrote {REPORT_DIR / 'small_rows_speed.csv'}")
+
+
+if __name__ == "__main__":
+    main()
