@@ -61,6 +61,28 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def nondecreasing(ys: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence to ys in least squares (pool adjacent violators): a
+    forward over more rows, a longer context or a deeper draft never costs less, so a median that
+    says otherwise is noise, and left in it makes a bigger tree look cheaper than a smaller one
+    and flips the bank's choice between runs."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled runs
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
+
+def _monotone_table(table: list[list[float]]) -> list[list[float]]:
+    """`nondecreasing` along each row, then along each column, of a [outer][inner] table."""
+    rows = [nondecreasing(r) for r in table]
+    cols = [nondecreasing(c) for c in zip(*rows)]
+    return [list(r) for r in zip(*cols)]
+
+
 def level_widths(tree: Tree) -> list[int]:
     """Rows of each Hydra drafting level d = 1..depth: the distinct depth-(d-1) nodes with children."""
     return [len({p[:-1] for p in tree.paths if len(p) == d}) for d in range(1, tree.depth + 1)]
@@ -356,11 +378,13 @@ def measure_step_cost(
     heads.reset()
     fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * statistics.median(r)}
                     for t, r in zip(probe_trees, rest_s)]
+    # medians, made non-decreasing in rows and context (verify) and in depth and width (draft)
     return StepCostModel(
         kind=kind, num_heads=n_heads, verify_rows=rows, verify_contexts=contexts,
-        verify_ms=[[1e3 * statistics.median(verify_s[(c, n)]) for n in rows] for c in contexts],
+        verify_ms=_monotone_table([[1e3 * statistics.median(verify_s[(c, n)]) for n in rows] for c in contexts]),
         draft_widths=widths,
-        draft_ms=[[1e3 * statistics.median(draft_s[(d, w)]) for w in widths] for d in range(n_heads + 1)],
+        draft_ms=_monotone_table([[1e3 * statistics.median(draft_s[(d, w)]) for w in widths]
+                                  for d in range(n_heads + 1)]),
         fixed_coef=fit_fixed([(p["depth"], p["nodes"], p["ms"]) for p in fixed_points]),
         fixed_points=fixed_points, repeats=repeats, dtype=dtype, threads=torch.get_num_threads(),
         machine=dict(machine or {}), clock=clock_kind,

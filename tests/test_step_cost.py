@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.step_cost import StepCostModel, chains_tree, fit_fixed, level_widths, measure_step_cost, step_clock
+from pipeline.step_cost import (StepCostModel, chains_tree, fit_fixed, level_widths, measure_step_cost, nondecreasing,
+                                step_clock)
 from pipeline.timing import prune_by_cost
 from runtime.tree import Tree
 
@@ -87,6 +88,12 @@ def test_verify_extrapolates_linearly_past_the_grid() -> None:
     assert model.verify(1, 50) == pytest.approx(_verify_ms(1, 50))
 
 
+def test_nondecreasing_pools_the_medians_that_go_down() -> None:
+    assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert nondecreasing([5.0, 1.0, 1.0, 9.0]) == [7 / 3, 7 / 3, 7 / 3, 9.0]
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and nondecreasing([]) == []
+
+
 def test_level_widths_and_chains_tree() -> None:
     tree = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     assert level_widths(tree) == [1, 2, 1]
@@ -151,6 +158,9 @@ def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest f
     assert cm.clock == "cpu" and cm.threads == 1 and len(cm.fixed_points) == 5
     assert all(v > 0 for r in cm.verify_ms for v in r)
     assert all(v > 0 for r in cm.draft_ms[1:] for v in r)
+    # more rows, a longer context, a deeper or wider draft never cost less in the model
+    for table in (cm.verify_ms, cm.draft_ms):
+        assert all(r == sorted(r) for r in table) and all(list(c) == sorted(c) for c in zip(*table))
     tree = Tree([(0,), (1,), (0, 0)])
     p = cm.predict(tree, 30)
     assert p["step_ms"] == pytest.approx(p["draft_ms"] + p["verify_ms"] + p["fixed_ms"]) and p["step_ms"] > 0
