@@ -97,8 +97,7 @@ class Linear(nn.Linear):
       rows go through its kernel against a packed copy of the weight: one pass over the weights
       for all rows, and each row's result independent of the row count. On a 2-core AVX2 EPYC the
       whole SmolLM2 forward at context 300 took 58 / 64 / 79 / 89 ms for 1 / 3 / 5 / 9 new rows,
-      side by side,
-      against 80 / 121 / 120 / 161 ms with the MKL products below;
+      side by side against 80 / 121 / 120 / 161 ms with the MKL products below;
     * otherwise, measured with MKL on the same machines: one row as x @ W_t with a contiguous
       [in, out] copy W_t (1.2-2x faster than F.linear), 2..SMALL_ROWS rows as (W @ x^T)^T (one
       pass over W for all rows, 1.2-1.8x faster; a transposed view, which the callers accept);
@@ -112,14 +111,14 @@ class Linear(nn.Linear):
         self.register_buffer("weight_t", None, persistent=False)
         self.register_buffer("weight_packed", None, persistent=False)
 
-    def add_fast_paths(self, kernel: bool | None = None) -> None:
+    def add_fast_paths(self, kernel: bool = True) -> None:
         """Keep the packed (or transposed) copy; call again if the weight changes (the runtime never
         trains). Does nothing unless the weight is float32 on the CPU. kernel: use the small-row
-        kernel (None: where available; False: torch's products, e.g. to compare)."""
+        kernel where it is available (False: torch's products, e.g. to compare)."""
         w = self.weight.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu":
             return
-        if small_rows.available() if kernel is None else kernel:
+        if kernel and small_rows.available():
             self.weight_packed, self.weight_t = small_rows.pack(w), None
         else:
             self.weight_packed, self.weight_t = None, w.t().contiguous()
@@ -427,16 +426,16 @@ class Transformer(nn.Module):
     def reset_cache(self) -> None:
         self._cache_len = 0
 
-    def add_fast_paths(self, kernel: bool | None = None) -> None:
+    def add_fast_paths(self, kernel: bool = True) -> None:
         """Switch every Linear to the row-count-dependent products (worth it on CPU in float32;
         costs a second copy of the weights, see `Linear`); `kernel` as in `Linear.add_fast_paths`."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
             module.add_fast_paths(kernel)
-        self.kernel_decode = all(m.weight_packed is not None for m in linears)
+        self._kernel_decode = all(m.weight_packed is not None for m in linears)
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.use_kernel = self.kernel_decode
+                module.use_kernel = self._kernel_decode
 
     @property
     def kernel_decode(self) -> bool:
@@ -445,10 +444,6 @@ class Transformer(nn.Module):
         each decode forward takes the row-invariant path at no extra cost, under either lossless
         mode (the arithmetic is the same: AR and tree verify agree bit for bit)."""
         return self._kernel_decode and self.dtype == torch.float32 and self.device.type == "cpu"
-
-    @kernel_decode.setter
-    def kernel_decode(self, on: bool) -> None:
-        self._kernel_decode = bool(on)
 
     def set_row_invariance(self, rows: int | None) -> None:
         """Make every decode forward compute each token's row bit-identically however many tokens

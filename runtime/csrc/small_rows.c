@@ -1,6 +1,6 @@
 /* y = x W^T in float32 for a few rows of x (a decode step's tokens), on x86-64 with AVX2 + FMA.
  *
- * Why: a decode step multiplies 1..32 activation rows by every weight matrix. The cost is reading
+ * Why: a decode step multiplies a few activation rows (a tree's nodes) by every weight matrix. The cost is reading
  * the weights from memory, so a product over R rows should cost little more than over one row.
  * BLAS libraries tile for large matrices; for 2..8 rows they pack and re-read, and one verify
  * forward of a 3-node tree costs ~1.5x a one-token forward instead of ~1.1x.
