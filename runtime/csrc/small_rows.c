@@ -1,4 +1,5 @@
-/* y = x W^T in float32 for a few rows of x (a decode step's tokens), on x86-64 with AVX2 + FMA.
+/* y = x W^T in float32 for a few rows of x (a decode step's tokens), on x86-64 with AVX2 + FMA
+ * (AVX-512 where the CPU has it, same sums).
  *
  * Why: a decode step multiplies a few activation rows (a tree's nodes) by every weight matrix. The cost is reading
  * the weights from memory, so a product over R rows should cost little more than over one row.
@@ -67,10 +68,95 @@ MICRO_KERNEL(6)
 typedef void (*micro_kernel)(const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
 static const micro_kernel BY_ROWS[7] = {0, rows_1, rows_2, rows_3, rows_4, rows_5, rows_6};
 
+/* The same products with AVX-512 where the CPU has it: two panels (32 outputs) at a time, up to
+ * 12 rows, 24 accumulators in zmm registers, so a pass over the weights serves twice as many rows
+ * and each x broadcast feeds two multiply-adds. Each output lane runs the very chain of the AVX2
+ * kernel (k in order within a KBLOCK, blocks added in order), so the results are bit-identical to
+ * it: the choice of instruction set changes speed, never a token. */
+#define WIDE_ROWS 12
+#define MICRO_KERNEL_512(RB)                                                                    \
+    __attribute__((target("avx512f,fma"))) static void wide_##RB(                               \
+        const float *x, const float *p, float *y, int64_t K, int64_t N, int64_t r0, int64_t n0) { \
+        float total[RB][2 * PANEL];                                                             \
+        for (int i = 0; i < RB; i++)                                                            \
+            for (int j = 0; j < 2 * PANEL; j++) total[i][j] = 0.0f;                             \
+        const float *xr = x + r0 * K, *q = p + PANEL * K; /* q: the second panel */            \
+        for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {                                            \
+            int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;                                     \
+            __m512 a[RB], b[RB];                                                                \
+            for (int i = 0; i < RB; i++) {                                                      \
+                a[i] = _mm512_setzero_ps();                                                     \
+                b[i] = _mm512_setzero_ps();                                                     \
+            }                                                                                   \
+            for (int64_t k = k0; k < k1; k++) {                                                 \
+                __m512 wa = _mm512_loadu_ps(p + PANEL * k), wb = _mm512_loadu_ps(q + PANEL * k); \
+                for (int i = 0; i < RB; i++) {                                                  \
+                    __m512 s = _mm512_set1_ps(xr[i * K + k]);                                   \
+                    a[i] = _mm512_fmadd_ps(wa, s, a[i]);                                        \
+                    b[i] = _mm512_fmadd_ps(wb, s, b[i]);                                        \
+                }                                                                               \
+            }                                                                                   \
+            for (int i = 0; i < RB; i++) {                                                      \
+                _mm512_storeu_ps(total[i], _mm512_add_ps(_mm512_loadu_ps(total[i]), a[i]));   \
+                _mm512_storeu_ps(total[i] + PANEL, _mm512_add_ps(_mm512_loadu_ps(total[i] + PANEL), b[i])); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int i = 0; i < RB; i++) {                                                          \
+            for (int j = 0; j < PANEL; j++) y[(r0 + i) * N + n0 + j] = total[i][j];             \
+            for (int j = 0; j < PANEL; j++) y[(r0 + i) * N + n0 + PANEL + j] = total[i][PANEL + j]; \
+        }                                                                                       \
+    }
+
+MICRO_KERNEL_512(1)
+MICRO_KERNEL_512(2)
+MICRO_KERNEL_512(3)
+MICRO_KERNEL_512(4)
+MICRO_KERNEL_512(5)
+MICRO_KERNEL_512(6)
+MICRO_KERNEL_512(7)
+MICRO_KERNEL_512(8)
+MICRO_KERNEL_512(9)
+MICRO_KERNEL_512(10)
+MICRO_KERNEL_512(11)
+MICRO_KERNEL_512(12)
+
+static const micro_kernel WIDE_BY_ROWS[WIDE_ROWS + 1] = {0, wide_1, wide_2, wide_3, wide_4, wide_5, wide_6,
+                                                         wide_7, wide_8, wide_9, wide_10, wide_11, wide_12};
+
+static int wide = -1; /* AVX-512 in use: -1 = not decided yet */
+
+/* Which instruction set the products use: want 1 = AVX-512 where the CPU has it, 0 = AVX2,
+ * -1 = leave as is (AVX-512 where available if not set yet); returns the one in use (1 or 0). */
+int small_rows_use_avx512(int want) {
+    if (want >= 0 || wide < 0) {
+        __builtin_cpu_init();
+        wide = want != 0 && __builtin_cpu_supports("avx512f");
+    }
+    return wide;
+}
+
 /* x [R, K] row-major, P [N/16][K][16], y [R, N] row-major; N a multiple of 16. */
 void small_rows_matmul(const float *x, const float *P, float *y, int64_t R, int64_t K, int64_t N,
                        int threads) {
     int64_t panels = N / PANEL;
+    if (wide < 0) small_rows_use_avx512(-1);
+    if (wide) {
+        int64_t pairs = panels / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t = 0; t < pairs; t++) {
+            const float *p = P + 2 * t * PANEL * K;
+            int64_t r = 0;
+            for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) wide_12(x, p, y, K, N, r, 2 * t * PANEL);
+            if (R > r) WIDE_BY_ROWS[R - r](x, p, y, K, N, r, 2 * t * PANEL);
+        }
+        if (panels % 2) { /* an odd last panel: the AVX2 kernel, same sums */
+            const float *p = P + (panels - 1) * PANEL * K;
+            int64_t r = 0;
+            for (; r + 6 <= R; r += 6) rows_6(x, p, y, K, N, r, (panels - 1) * PANEL);
+            if (R > r) BY_ROWS[R - r](x, p, y, K, N, r, (panels - 1) * PANEL);
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < panels; t++) {
         const float *p = P + t * PANEL * K;
