@@ -297,10 +297,12 @@ def measure_step_cost(
     decoder: TreeDecoder, prompt: Sequence[int], verify_rows: Sequence[int], verify_contexts: Sequence[int],
     repeats: int = 7, fixed_tokens: int = 12, sampler: Sampler | None = None, dtype: str = "",
     machine: dict[str, Any] | None = None, progress: Callable[[int, int], None] | None = None,
-    clock_kind: str = "wall",
+    clock_kind: str = "wall", between_rounds: Callable[[int, StepCostModel], None] | None = None,
 ) -> StepCostModel:
     """Measure a `StepCostModel` for the decoder's model and heads (wall clock, medians over `repeats`
     interleaved rounds). `prompt` is a real prompt (the draft and fixed probes decode from it).
+    `between_rounds(i, model)`, if given, runs after round i with the model of rounds 0..i (the time
+    stage decodes its check rounds there, so model and check see the same state of the machine).
 
     Each round runs, in this order: the fixed probes (one decode of `fixed_tokens` new tokens with
     each of: chains of depth 0, 1 and max, `FIXED_WIDTH` chains of depth 1 and of depth max), the
@@ -348,9 +350,24 @@ def measure_step_cost(
     h, root = _context_vector(model, heads, prompt)
     for buf in draft_trees.values():
         heads.propose(h, root, buf)
+    def so_far(rounds: int) -> StepCostModel:
+        fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * statistics.median(r)}
+                        for t, r in zip(probe_trees, rest_s)]
+        # medians, made non-decreasing in rows and context (verify) and in depth and width (draft)
+        return StepCostModel(
+            kind=kind, num_heads=n_heads, verify_rows=rows, verify_contexts=contexts,
+            verify_ms=_monotone_table([[1e3 * statistics.median(verify_s[(c, n)]) for n in rows] for c in contexts]),
+            draft_widths=widths,
+            draft_ms=_monotone_table([[1e3 * statistics.median(draft_s[(d, w)]) for w in widths]
+                                      for d in range(n_heads + 1)]),
+            fixed_coef=fit_fixed([(p["depth"], p["nodes"], p["ms"]) for p in fixed_points]),
+            fixed_points=fixed_points, repeats=rounds, dtype=dtype, threads=torch.get_num_threads(),
+            machine=dict(machine or {}), clock=clock_kind,
+        )
+
     total = repeats * (len(probe_trees) + len(verify_s) + len(draft_s))
     done = 0
-    for _ in range(repeats):
+    for i in range(repeats):
         for k in range(len(probe_trees)):
             parts = _StepParts(model, heads, now)
             try:
@@ -374,21 +391,13 @@ def measure_step_cost(
             done += 1
         if progress:
             progress(done, total)
+        if between_rounds:
+            between_rounds(i, so_far(i + 1))
+            model.reset_cache()
+            heads.reset()
     model.reset_cache()
     heads.reset()
-    fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * statistics.median(r)}
-                    for t, r in zip(probe_trees, rest_s)]
-    # medians, made non-decreasing in rows and context (verify) and in depth and width (draft)
-    return StepCostModel(
-        kind=kind, num_heads=n_heads, verify_rows=rows, verify_contexts=contexts,
-        verify_ms=_monotone_table([[1e3 * statistics.median(verify_s[(c, n)]) for n in rows] for c in contexts]),
-        draft_widths=widths,
-        draft_ms=_monotone_table([[1e3 * statistics.median(draft_s[(d, w)]) for w in widths]
-                                  for d in range(n_heads + 1)]),
-        fixed_coef=fit_fixed([(p["depth"], p["nodes"], p["ms"]) for p in fixed_points]),
-        fixed_points=fixed_points, repeats=repeats, dtype=dtype, threads=torch.get_num_threads(),
-        machine=dict(machine or {}), clock=clock_kind,
-    )
+    return so_far(repeats)
 
 
 def error_pct(predicted_ms: float, measured_ms: float) -> float:

@@ -2,7 +2,8 @@
 
 The step cost the bank uses comes from `pipeline.step_cost` (a model measured from many short
 repeats); the timed decodes here (draft + verify + accept, warmed up, trees interleaved round by
-round so that drift of a shared machine hits all alike) check it. End-to-end throughput per tree
+round, and the rounds spread over the model's own probe rounds, so that drift of a shared machine
+hits all alike) check it. End-to-end throughput per tree
 combines a step cost with the tree's tokens per step on the whole calibration split (exact
 replay) and the measured prefill time.
 """
@@ -22,60 +23,92 @@ from runtime.generate import ar_generate
 from runtime.sampling import Sampler
 
 
+class TreeTimer:
+    """Timed decodes of candidate trees, one round at a time, so that the rounds can be spread over
+    the step-cost model's own measurement (the time stage runs one round between its probe rounds:
+    a machine that drifts during the ~minute of measuring then moves the model and its check alike).
+
+    Trees in `skip` (index -> why) are not decoded: they get a NaN latency and are listed in
+    "pruned". Within a round the trees are interleaved prompt by prompt. `now` is the clock
+    (default: wall clock after a device synchronisation); a step lasts from one emitted batch of
+    tokens to the next, the prefill from the call to the first token."""
+
+    def __init__(self, decoder: TreeDecoder, rows: list[dict], new_tokens: int = 24, warmup_steps: int = 2,
+                 skip: dict[int, str] | None = None, sampler: Sampler | None = None,
+                 now: Callable[[], float] | None = None) -> None:
+        n = len(decoder.trees)
+        self.pruned = dict(skip or {})
+        if any(not 0 <= k < n for k in self.pruned):
+            raise ValueError(f"skip lists tree indices outside [0, {n})")
+        if len(self.pruned) == n:
+            raise ValueError("every tree is skipped: nothing to time")
+        self.decoder, self.rows, self.new_tokens, self.warmup_steps, self.sampler = \
+            decoder, rows, new_tokens, warmup_steps, sampler
+        self.now = now or (lambda: clock(decoder.model.device))
+        self.timed = [k for k in range(n) if k not in self.pruned]
+        self.step_s: list[list[float]] = [[] for _ in range(n)]
+        self.ar_s: list[float] = []
+        self.prefill_s: list[float] = []
+        self.prompt_tokens: list[int] = []
+        self.rounds = 0
+
+    @property
+    def runs_per_round(self) -> int:
+        return len(self.rows) * (len(self.timed) + 1)
+
+    def round(self, progress: Callable[[], None] | None = None) -> None:
+        """One AR run and one decode per timed tree, for each prompt (`progress` after each run)."""
+        dec, now, sampler = self.decoder, self.now, self.sampler
+        if self.rounds == 0:  # warm-up: one short decode and one AR run (allocator, kernels, caches)
+            dec.generate(self.rows[0]["input_ids"], 8, choose=self.timed[0], sampler=sampler)
+            ar_generate(dec.model, self.rows[0]["input_ids"], 4, sampler=sampler)
+        for row in self.rows:
+            t0 = now()
+            out = ar_generate(dec.model, row["input_ids"], self.new_tokens // 2, sampler=sampler)
+            ar_total = now() - t0
+            if progress:
+                progress()
+            for k in self.timed:
+                marks = [now()]
+                dec.generate(row["input_ids"], self.new_tokens, choose=k, sampler=sampler,
+                             stream=lambda _tokens: marks.append(now()))
+                steps = [b - a for a, b in zip(marks[1:], marks[2:])]
+                self.step_s[k].extend(steps[self.warmup_steps:] or steps)
+                self.prefill_s.append(marks[1] - marks[0])
+                self.prompt_tokens.append(len(row["input_ids"]))
+                if progress:
+                    progress()
+            # AR per-token latency: total minus this prompt's prefill, over the decoded tokens
+            pre = statistics.median(self.prefill_s[-len(self.timed):])
+            if len(out) > 1:
+                self.ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
+        self.rounds += 1
+
+    def result(self) -> dict[str, Any]:
+        """Median step latency (s) per tree, median AR per-token latency, prefill time, pruned trees."""
+        if not self.rounds:
+            raise RuntimeError("no timing round has run")
+        return {
+            "step_s": [statistics.median(s) if s else float("nan") for s in self.step_s],
+            "ar_token_s": statistics.median(self.ar_s) if self.ar_s else float("nan"),
+            "prefill_s": statistics.median(self.prefill_s),
+            "prompt_tokens": statistics.median(self.prompt_tokens),
+            "pruned": self.pruned,
+            "rounds": self.rounds,
+        }
+
+
 def time_trees(
     decoder: TreeDecoder, rows: list[dict], rounds: int = 2, new_tokens: int = 24, warmup_steps: int = 2,
     skip: dict[int, str] | None = None, sampler: Sampler | None = None, now: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
-    """Median step latency (s) per tree from real decodes, median AR per-token latency and prefill time.
-
-    Trees in `skip` (index -> why) are not decoded: they get a NaN latency and are listed in
-    "pruned". Rounds interleave the trees so that the drift of a shared machine hits all alike.
-    `now` is the clock (default: wall clock after a device synchronisation); a step lasts from one
-    emitted batch of tokens to the next, the prefill from the call to the first token."""
-    n = len(decoder.trees)
-    dev = decoder.model.device
-    now = now or (lambda: clock(dev))
-    pruned = dict(skip or {})
-    if any(not 0 <= k < n for k in pruned):
-        raise ValueError(f"skip lists tree indices outside [0, {n})")
-    if len(pruned) == n:
-        raise ValueError("every tree is skipped: nothing to time")
-    step_s: list[list[float]] = [[] for _ in range(n)]
-    ar_s: list[float] = []
-    prefill_s: list[float] = []
-    prompt_tokens: list[int] = []
-    # warm-up: one short decode and one AR run (allocator, kernels, caches)
-    decoder.generate(rows[0]["input_ids"], 8, choose=min(set(range(n)) - set(pruned)), sampler=sampler)
-    ar_generate(decoder.model, rows[0]["input_ids"], 4, sampler=sampler)
-    timed = [k for k in range(n) if k not in pruned]
-    bar = tqdm(total=rounds * len(rows) * (len(timed) + 1), desc="time", unit="run")
+    """`rounds` rounds of a `TreeTimer` back to back (see it for the arguments) and its result."""
+    timer = TreeTimer(decoder, rows, new_tokens, warmup_steps, skip, sampler, now)
+    bar = tqdm(total=rounds * timer.runs_per_round, desc="time", unit="run")
     for _ in range(rounds):
-        for row in rows:
-            t0 = now()
-            out = ar_generate(decoder.model, row["input_ids"], new_tokens // 2, sampler=sampler)
-            ar_total = now() - t0
-            bar.update()
-            for k in timed:
-                marks = [now()]
-                decoder.generate(row["input_ids"], new_tokens, choose=k, sampler=sampler,
-                                 stream=lambda _tokens: marks.append(now()))
-                steps = [b - a for a, b in zip(marks[1:], marks[2:])]
-                step_s[k].extend(steps[warmup_steps:] or steps)
-                prefill_s.append(marks[1] - marks[0])
-                prompt_tokens.append(len(row["input_ids"]))
-                bar.update()
-            # AR per-token latency: total minus this prompt's prefill, over the decoded tokens
-            pre = statistics.median(prefill_s[-len(timed):])
-            if len(out) > 1:
-                ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
+        timer.round(bar.update)
     bar.close()
-    return {
-        "step_s": [statistics.median(s) if s else float("nan") for s in step_s],
-        "ar_token_s": statistics.median(ar_s) if ar_s else float("nan"),
-        "prefill_s": statistics.median(prefill_s),
-        "prompt_tokens": statistics.median(prompt_tokens),
-        "pruned": pruned,
-    }
+    return timer.result()
 
 
 def prune_by_cost(tokens_per_step: list[float], step_s: list[float], margin: float = 0.15) -> dict[int, str]:

@@ -362,19 +362,22 @@ def tiny_bundle(tmp_path_factory, tokenizer_dir: Path) -> TinyBundle:  # noqa: A
 
 
 def tiny_pipeline_overrides(artifacts: Path, data: Path, bundle: TinyBundle, *extra: str) -> list[str]:
-    """The command-line overrides of `tiny_pipeline_cfg` (for `python -m pipeline` in a subprocess)."""
-    return ["heads.draft_vocab.size=null", *extra,
+    """The command-line overrides of `tiny_pipeline_cfg` (for `python -m pipeline` in a subprocess);
+    a key that `extra` sets keeps the value given there."""
+    given = {e.split("=", 1)[0] for e in extra}
+    return ["heads.draft_vocab.size=null", *extra] + [o for o in [
             "stage=bank", "task=humaneval", "model=local", f"model.name={MODEL_NAME}",
             f"model.path={artifacts / 'models' / MODEL_NAME}", f"heads.dir={bundle.heads_dir}", "dtype=float32",
             "threads=1", "profile.calib_prompts=3", "profile.recalib_prompts=1", "profile.timing_prompts=1",
             "profile.max_new_tokens=6", "profile.eval_prompts=2", "time.rounds=1", "time.new_tokens=4",
             "grow.candidate_sizes=[0,2,4,8]", f"artifacts_dir={artifacts}", f"data_dir={data}"]
+        if o.split("=", 1)[0] not in given]
 
 
 def tiny_pipeline_cfg(artifacts: Path, data: Path, bundle: TinyBundle, *extra: str):  # noqa: ANN201 - DictConfig
     """The pipeline config (`stage=bank task=humaneval`) for the tiny bundle's model and heads, sized
-    to run in seconds, with outputs in `artifacts` / `data`; `extra` overrides come first (the
-    draft vocabulary, off here, before them)."""
+    to run in seconds, with outputs in `artifacts` / `data`; `extra` overrides come first and win
+    over those sizes (the draft vocabulary is off unless `extra` turns it on)."""
     from hydra import compose, initialize_config_dir
 
     import pipeline.schema  # noqa: F401 - registers the typed schema the config's defaults name

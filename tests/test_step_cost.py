@@ -152,7 +152,15 @@ def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest f
     torch.set_num_threads(1)
     dec = TreeDecoder(model, heads, [TreeBuffers.compile(Tree([]))])
     prompt = list(range(5, 25))
-    cm = measure_step_cost(dec, prompt, [1, 3, 9], [20, 40], repeats=2, fixed_tokens=6, clock_kind="cpu")
+    seen: list[tuple[int, int]] = []
+
+    def between(i: int, so_far: StepCostModel) -> None:  # what the time stage does there: decode
+        seen.append((i, so_far.repeats))
+        dec.generate(prompt, 4, choose=0)
+
+    cm = measure_step_cost(dec, prompt, [1, 3, 9], [20, 40], repeats=2, fixed_tokens=6, clock_kind="cpu",
+                           between_rounds=between)
+    assert seen == [(0, 1), (1, 2)] and cm.repeats == 2
     n = heads.config.num_heads
     assert cm.verify_rows == [1, 3, 9] and cm.verify_contexts == [20, 40] and len(cm.draft_ms) == n + 1
     assert cm.clock == "cpu" and cm.threads == 1 and len(cm.fixed_points) == 5
@@ -220,7 +228,7 @@ def test_time_stage_writes_modeled_components_and_the_check(bundle, tmp_path: Pa
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
     cfg = tiny_pipeline_cfg(artifacts, data, bundle, "time.clock=cpu", "time.cost_repeats=2", "time.cost_tokens=6",
-                            "time.new_tokens=6")
+                            "time.new_tokens=6", "time.rounds=2")
     graph.clear_memo()
     time_dir = time_stage.output(cfg)
     timing = json.loads((time_dir / "timing.json").read_text())
@@ -239,3 +247,6 @@ def test_time_stage_writes_modeled_components_and_the_check(bundle, tmp_path: Pa
             assert t["model_error_pct"] == pytest.approx(
                 100 * (t["modeled_step_ms_at_check"] - t["measured_step_ms"]) / t["measured_step_ms"])
     assert checked >= 1
+    # the 2 check rounds ran between the model's 2 probe rounds (after the 1st) and after the last
+    assert timing["cost_model"]["check_rounds_after_probe_rounds"] == [1, 2]
+    assert timing["cost_model"]["pruned_with_probe_rounds"] == 1
