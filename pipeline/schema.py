@@ -297,7 +297,10 @@ class TimeConfig:
     # other processes' load (needs threads=1): for building banks on a shared machine
     clock: str = choice("wall", "wall", "cpu")
     # timed decodes that check the model (the bank uses the modeled costs)
-    rounds: int = at_least(2, 1)       # interleaved timing rounds over the checked trees
+    # interleaved timing rounds over the checked trees, spread over the probe rounds: on a shared
+    # machine the speed moves by ~20% for seconds at a time, and 2 rounds of ~1 s per tree let
+    # such a phase land on one tree (a 1-node check decode 19% faster than the model)
+    rounds: int = at_least(6, 1)
     new_tokens: int = at_least(24, 1)  # tokens per timed decode (the first 2 steps of each are warm-up)
     prune: bool = True                 # skip trees whose replayed tokens/step cannot pay for their modeled cost
     prune_margin: float = at_least(0.15, 0.0, 0.99)  # ... even this fraction cheaper than modeled

@@ -1,11 +1,13 @@
-"""What the small-row CPU kernels (runtime.small_rows) buy: whole base-model forwards and the
-heads' drafting, kernels against torch's products, side by side.
+"""What the small-row CPU kernels (runtime.small_rows) buy: whole base-model forwards, kernels
+against torch's products, side by side.
 
-    python -m pipeline.benchmarks.small_rows_speed [--rows 1 2 3 5 9 17 33] [--context 300] [--repeats 9]
+    python -m pipeline.benchmarks.small_rows_speed [--rows 1 2 3 5 9 17 33] [--context 300] [--repeats 9] [--bf16]
 
 Two copies of the default model in float32: one with the kernels (`add_fast_paths()`), one with
 torch's products (`add_fast_paths(kernel=False)`, the MKL paths `runtime.model.Linear` describes,
-and SDPA attention). For each row count N, a forward of N new tokens (a chain: each attends to the
+and SDPA attention). Where the CPU has AVX-512 the kernels are also timed restricted to AVX2
+(`kernels_avx2`, bit-identical results); `--bf16` adds torch's bfloat16 model (the other
+candidate of `dtype: auto`). For each row count N, a forward of N new tokens (a chain: each attends to the
 ones before it) after a `--context`-token cache, wall clock, median of `--repeats` rounds that
 interleave both models. Prints ms and each forward's cost in one-token forwards of the same model.
 Writes artifacts/reports/benchmarks/small_rows_speed.{csv,json}.
@@ -44,18 +46,26 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--bf16", action="store_true", help="also time torch's bfloat16 model")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     if not small_rows.available():
         raise SystemExit(f"the small-row kernels are unavailable here: {small_rows.unavailable_reason()}")
-    models = {"kernels": load_model(a.model, max_seq_len=a.context + max(a.rows) + 1)}
-    models["torch"] = load_model(a.model, max_seq_len=a.context + max(a.rows) + 1, fast_paths=False)
+    seq = a.context + max(a.rows) + 1
+    models = {"kernels": load_model(a.model, max_seq_len=seq)}
+    # the same kernels restricted to AVX2 (bit-identical results) where the CPU has AVX-512
+    isas = {"kernels": small_rows.isa()}
+    if isas["kernels"] == "avx512":
+        models["kernels_avx2"], isas["kernels_avx2"] = models["kernels"], "avx2"
+    models["torch"] = load_model(a.model, max_seq_len=seq, fast_paths=False)
     models["torch"].add_fast_paths(kernel=False)
     assert models["kernels"].kernel_decode and not models["torch"].kernel_decode
+    if a.bf16:  # what `dtype: auto` weighs the kernels against (torch's bf16 products, ordinary arithmetic)
+        models["torch_bf16"] = load_model(a.model, dtype=torch.bfloat16, max_seq_len=seq)
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, models["kernels"].args.vocab_size, (1, a.context), generator=gen)
-    for m in models.values():
+    for m in set(models.values()):
         with torch.inference_mode():
             m(context, torch.arange(a.context))
         for n in a.rows:  # warm-up (and the row-count probes of the first calls)
@@ -64,7 +74,10 @@ def main() -> None:
     for _ in range(a.repeats):
         for n in a.rows:
             for k, m in models.items():
+                if k in isas:
+                    small_rows.set_isa(isas[k])
                 times[(k, n)].append(forward_ms(m, context, n, gen))
+    small_rows.set_isa("auto")
     one = {k: median(times[(k, 1)]) for k in models}
     rows = []
     for n in a.rows:
@@ -74,11 +87,12 @@ def main() -> None:
             row[f"{k}_ms"], row[f"{k}_x_one_row"] = round(ms, 2), round(ms / one[k], 3)
         row["torch_over_kernels"] = round(row["torch_ms"] / row["kernels_ms"], 3)
         rows.append(row)
-        print(f"{n:3d} rows: kernels {row['kernels_ms']:6.1f} ms ({row['kernels_x_one_row']:.2f}x one row)   "
-              f"torch {row['torch_ms']:6.1f} ms ({row['torch_x_one_row']:.2f}x)   torch/kernels {row['torch_over_kernels']:.2f}")
+        print(f"{n:3d} rows: " + "   ".join(f"{k} {row[f'{k}_ms']:6.1f} ms ({row[f'{k}_x_one_row']:.2f}x)" for k in models)
+              + f"   torch/kernels {row['torch_over_kernels']:.2f}")
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     write_csv(REPORT_DIR / "small_rows_speed.csv", rows)
     atomic_write_json(REPORT_DIR / "small_rows_speed.json", {"machine": machine_info(), "threads": torch.get_num_threads(),
+                                                              "isa": isas["kernels"],
                                                               "repeats": a.repeats, "results": rows})
     print(f"wrote {REPORT_DIR / 'small_rows_speed.csv'}")
 
