@@ -49,7 +49,7 @@ def build_bank(
 ) -> dict[str, Any]:
     from pipeline.fit_policy import fit_all_policies
 
-    # pruned trees cannot pay for their cost (and were not checked by a timed decode)
+    # pruned trees cannot pay for their cost (most were not checked by a timed decode either)
     cands = [c for c in timing["trees"] if c.get("tok_per_s") is not None and "pruned" not in c]
     recal_by_paths = {Tree(r["paths"]): r for r in recal["trees"]}
     rollouts = load_rollout(rollout_dir)
@@ -129,7 +129,7 @@ def plot_throughput_frontier(cands: list[dict], hull: list[int], members: list[i
                edgecolors="k", label="in the bank")
     ax.axhline(ar_tok_s, color="gray", ls="--", label=f"AR {ar_tok_s:.1f} tok/s")
     if pruned:
-        ax.text(0.99, 0.98, f"not timed (cannot pay for their cost): {', '.join(map(str, pruned))} nodes",
+        ax.text(0.99, 0.98, f"pruned (cannot pay for their cost): {', '.join(map(str, pruned))} nodes",
                 transform=ax.transAxes, ha="right", va="top", fontsize=8, color="gray")
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))

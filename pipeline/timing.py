@@ -131,6 +131,16 @@ def prune_by_cost(tokens_per_step: list[float], step_s: list[float], margin: flo
     return pruned
 
 
+def prune_again(entries: list[dict], margin: float) -> None:
+    """`prune_by_cost` once more on timing entries' final modeled costs ("tokens_per_step",
+    "step_ms"), marking the trees it prunes that the early model (the probe rounds before the
+    first check decode) had kept: a tree at the rule's edge must not join the bank in one run and
+    miss it in the next for what one or two probe rounds said. Their timed check stays recorded."""
+    final = prune_by_cost([e["tokens_per_step"] for e in entries], [e["step_ms"] / 1000 for e in entries], margin)
+    for k, why in final.items():
+        entries[k].setdefault("pruned", f"{why} (final model; timed all the same)")
+
+
 @torch.inference_mode()
 def time_head_chain(decoder: TreeDecoder, row: dict, repeats: int = 10) -> float:
     """Median seconds of one `greedy_chain_top1` call (the per-step extra of the signals that read

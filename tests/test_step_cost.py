@@ -141,6 +141,18 @@ def test_prune_by_cost_keeps_only_trees_that_can_pay() -> None:
     assert "cannot beat 125.00 tok/s" in pruned[2]
 
 
+def test_prune_again_marks_what_the_final_model_prunes_and_keeps_earlier_reasons() -> None:
+    from pipeline.timing import prune_again
+
+    entries = [{"tokens_per_step": 1.0, "step_ms": 30.0}, {"tokens_per_step": 1.5, "step_ms": 32.0},
+               {"tokens_per_step": 1.6, "step_ms": 60.0, "measured_step_ms": 61.0},
+               {"tokens_per_step": 1.7, "step_ms": 90.0, "pruned": "early model"}]
+    prune_again(entries, margin=0.15)
+    assert "pruned" not in entries[0] and "pruned" not in entries[1]
+    assert "final model" in entries[2]["pruned"] and entries[2]["measured_step_ms"] == 61.0
+    assert entries[3]["pruned"] == "early model"
+
+
 def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest fixture
     from runtime.decoder import TreeDecoder
     from runtime.heads import load_heads

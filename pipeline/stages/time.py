@@ -39,7 +39,7 @@ def output(cfg: DictConfig) -> Path:
 
     def build(tmp: Path) -> dict[str, Any]:
         from pipeline.step_cost import StepCostModel, cost_contexts, measure_step_cost, step_clock, tree_entries
-        from pipeline.timing import TreeTimer, e2e_tokens_per_second, prune_by_cost, time_head_chain
+        from pipeline.timing import TreeTimer, e2e_tokens_per_second, prune_again, prune_by_cost, time_head_chain
         from runtime.decoder import HEAD_SIGNALS
         from runtime.tree import Tree
         from tqdm.auto import tqdm
@@ -97,6 +97,8 @@ def output(cfg: DictConfig) -> Path:
         t = timer.result()
         trees = tree_entries(cands, per_tree_tps, modeled, t, model, check_ctx,
                              lambda tps, step_s: e2e_tokens_per_second(tps, step_s, t["prefill_s"], n_new))
+        if tc.prune:
+            prune_again(trees, float(tc.prune_margin))
         ar_tok_s = e2e_tokens_per_second(1.0, t["ar_token_s"], t["prefill_s"], n_new)
         chain_ms = 1000 * time_head_chain(dec, rows[0])
         errors = [abs(e["model_error_pct"]) for e in trees if "model_error_pct" in e]
