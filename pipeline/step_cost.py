@@ -419,7 +419,7 @@ def tree_entries(cands: list[dict], tokens_per_step: Sequence[float], modeled: S
                  tok_per_s: Callable[[float, float], float]) -> list[dict[str, Any]]:
     """timing.json's per-tree entries: the modeled cost and its draft / verify / fixed parts, the
     tok/s they imply (`tok_per_s(tokens_per_step, step_seconds)`), and for every tree that
-    `time_trees` decoded (`timed`) the measured step, the model's figure at the context of those
+    the `TreeTimer` decoded (`timed`: its result) the measured step, the model's figure at the context of those
     decodes and its error. Each checked tree is logged."""
     trees = []
     for k, (c, m, measured) in enumerate(zip(cands, modeled, timed["step_s"])):

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from runtime.decoder import TreeDecoder, greedy_chain_top1
 from runtime.device import clock
@@ -96,19 +95,6 @@ class TreeTimer:
             "pruned": self.pruned,
             "rounds": self.rounds,
         }
-
-
-def time_trees(
-    decoder: TreeDecoder, rows: list[dict], rounds: int = 2, new_tokens: int = 24, warmup_steps: int = 2,
-    skip: dict[int, str] | None = None, sampler: Sampler | None = None, now: Callable[[], float] | None = None,
-) -> dict[str, Any]:
-    """`rounds` rounds of a `TreeTimer` back to back (see it for the arguments) and its result."""
-    timer = TreeTimer(decoder, rows, new_tokens, warmup_steps, skip, sampler, now)
-    bar = tqdm(total=rounds * timer.runs_per_round, desc="time", unit="run")
-    for _ in range(rounds):
-        timer.round(bar.update)
-    bar.close()
-    return timer.result()
 
 
 def prune_by_cost(tokens_per_step: list[float], step_s: list[float], margin: float = 0.15) -> dict[int, str]:

@@ -124,7 +124,11 @@ def _load() -> None:
     lib.small_rows_use_avx512.restype = ctypes.c_int
     _lib = lib
     # bit-identical either way (see small_rows.c); avx2 is there to check that, or to compare speed
-    set_isa(os.environ.get("ENTMTP_SMALL_ROWS_ISA", "auto"))
+    wanted = os.environ.get("ENTMTP_SMALL_ROWS_ISA", "auto")
+    try:
+        set_isa(wanted)
+    except ValueError as err:
+        raise ValueError(f"ENTMTP_SMALL_ROWS_ISA={wanted!r}: {err}; unset it or use auto") from None
 
 
 def available() -> bool:
@@ -141,7 +145,8 @@ def unavailable_reason() -> str | None:
 
 
 def set_isa(name: str) -> str:
-    """Pick the products' instruction set: "auto" (AVX-512 where the CPU has it) or "avx2".
+    """Pick the products' instruction set: "auto" (AVX-512 where the CPU has it), "avx512"
+    (refused where the CPU lacks it) or "avx2".
     Returns the one in use. Results are bit-identical either way; only the speed differs."""
     if name not in ("auto", "avx2", "avx512"):
         raise ValueError(f"instruction set must be auto, avx2 or avx512, got {name!r}")
