@@ -97,6 +97,55 @@ class TreeTimer:
         }
 
 
+def measure_and_check(
+    decoder: TreeDecoder, rows: list[dict], trees: list, tokens_per_step: list[float], contexts: list[int],
+    ref_context: int, *, repeats: int, rounds: int, fixed_tokens: int, new_tokens: int, prune_margin: float | None,
+    sampler: Sampler | None, clock_kind: str, dtype: str, machine: dict[str, Any], bar: Any = None,
+) -> tuple[Any, dict[str, Any]]:
+    """The time stage's measurement: a `StepCostModel` over `repeats` probe rounds, with the
+    `rounds` check rounds of a `TreeTimer` run between them, spread so that the mid-points of both
+    coincide (machine drift then moves the model and its check alike). Trees are pruned
+    (`prune_by_cost`, unless `prune_margin` is None) by the model of the probe rounds before the
+    first check. Returns (model, the timer's result plus "after_probe_rounds": the probe rounds
+    done before each check round, and "pruned_with_probe_rounds"). `bar`: a tqdm bar to advance."""
+    import math
+
+    from pipeline.step_cost import StepCostModel, measure_step_cost, step_clock
+
+    # check round j after probe round index after[j]
+    after = [min(repeats, max(1, math.floor((j + 0.5) * repeats / rounds + 0.5))) - 1 for j in range(rounds)]
+    state: dict[str, Any] = {"timer": None, "pruned_with": 0, "probes": 0, "decodes": 0}
+
+    def progress(done: int | None = None, total: int | None = None) -> None:
+        if bar is None:
+            return
+        if total is not None:  # a probe round (from measure_step_cost), else one timed decode
+            timer = state["timer"]
+            per_round = timer.runs_per_round if timer else len(rows) * (len(trees) + 1)
+            state["probes"], bar.total = done, total + rounds * per_round
+        else:
+            state["decodes"] += 1
+        bar.n = state["probes"] + state["decodes"]
+        bar.refresh()
+
+    def check(i: int, so_far: StepCostModel) -> None:
+        if state["timer"] is None:
+            costs = [so_far.predict(t, ref_context)["step_ms"] / 1000 for t in trees]
+            skip = prune_by_cost(tokens_per_step, costs, prune_margin) if prune_margin is not None else {}
+            state["timer"] = TreeTimer(decoder, rows, new_tokens=new_tokens, skip=skip, sampler=sampler,
+                                       now=step_clock(clock_kind, decoder.model.device))
+            state["pruned_with"] = i + 1
+        for _ in range(after.count(i)):
+            state["timer"].round(progress)
+
+    model = measure_step_cost(decoder, rows[0]["input_ids"], [t.num_nodes for t in trees], contexts, repeats=repeats,
+                              fixed_tokens=fixed_tokens, sampler=sampler, dtype=dtype, machine=machine,
+                              progress=progress, clock_kind=clock_kind, between_rounds=check)
+    result = state["timer"].result()
+    result.update(after_probe_rounds=[k + 1 for k in after], pruned_with_probe_rounds=state["pruned_with"])
+    return model, result
+
+
 def prune_by_cost(tokens_per_step: list[float], step_s: list[float], margin: float = 0.15) -> dict[int, str]:
     """Trees (index -> why) that cannot pay for their modeled cost: even `margin` cheaper than
     modeled, their tokens per second stay below the best of the trees before them (trees come

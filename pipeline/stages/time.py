@@ -8,7 +8,6 @@ recalibrate), and the timed decodes use typical acceptance too."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -38,8 +37,8 @@ def output(cfg: DictConfig) -> Path:
         key["recalibrate"] = output_digest(recal_dir)
 
     def build(tmp: Path) -> dict[str, Any]:
-        from pipeline.step_cost import StepCostModel, cost_contexts, measure_step_cost, step_clock, tree_entries
-        from pipeline.timing import TreeTimer, e2e_tokens_per_second, prune_again, prune_by_cost, time_head_chain
+        from pipeline.step_cost import cost_contexts, tree_entries
+        from pipeline.timing import e2e_tokens_per_second, measure_and_check, prune_again, time_head_chain
         from runtime.decoder import HEAD_SIGNALS
         from runtime.tree import Tree
         from tqdm.auto import tqdm
@@ -56,45 +55,16 @@ def output(cfg: DictConfig) -> Path:
         sampler = sampler_from_cfg(cfg)
         prompt_len = statistics.median(len(r["input_ids"]) for r in rows)
         contexts, ref_ctx, check_ctx = cost_contexts(prompt_len, n_new, int(tc.new_tokens))
-        repeats, rounds = int(tc.cost_repeats), int(tc.rounds)
-        # the check rounds run between probe rounds, spread evenly, so that drift of a shared machine
-        # moves the model and its check alike; pruning uses the model of the probe rounds before the first
-        # (check round j after probe round index check_after[j]: the rounds' mid-points coincide)
-        check_after = [min(repeats, max(1, math.floor((j + 0.5) * repeats / rounds + 0.5))) - 1 for j in range(rounds)]
-        now = step_clock(str(tc.clock), dec.model.device)
-        timer: TreeTimer | None = None
-        pruned_with = 0
         bar = tqdm(total=1, desc="step-cost model + timed decodes", unit="run")
-        runs = {"probes": 0, "decodes": 0}
-
-        def progress(done: int | None = None, total: int | None = None) -> None:
-            if total is not None:  # a probe round (from measure_step_cost), else one timed decode
-                per_round = timer.runs_per_round if timer else len(rows) * (len(cands) + 1)
-                runs["probes"], bar.total = done, total + rounds * per_round
-            else:
-                runs["decodes"] += 1
-            bar.n = runs["probes"] + runs["decodes"]
-            bar.refresh()
-
-        def check(i: int, so_far: StepCostModel) -> None:
-            nonlocal timer, pruned_with
-            if timer is None:
-                costs = [so_far.predict(c["tree"], ref_ctx)["step_ms"] / 1000 for c in cands]
-                skip = prune_by_cost(per_tree_tps, costs, float(tc.prune_margin)) if tc.prune else {}
-                timer, pruned_with = TreeTimer(dec, rows, new_tokens=int(tc.new_tokens), skip=skip, sampler=sampler,
-                                               now=now), i + 1
-            for _ in range(check_after.count(i)):
-                timer.round(progress)
-
-        model = measure_step_cost(dec, rows[0]["input_ids"], [c["tree"].num_nodes for c in cands], contexts,
-                                  repeats=repeats, fixed_tokens=int(tc.cost_tokens), sampler=sampler,
-                                  dtype=resolve_dtype(cfg), machine=machine_info(), progress=progress,
-                                  clock_kind=str(tc.clock), between_rounds=check)
+        model, t = measure_and_check(dec, rows, [c["tree"] for c in cands], per_tree_tps, contexts, ref_ctx,
+                                     repeats=int(tc.cost_repeats), rounds=int(tc.rounds),
+                                     fixed_tokens=int(tc.cost_tokens), new_tokens=int(tc.new_tokens),
+                                     prune_margin=float(tc.prune_margin) if tc.prune else None, sampler=sampler,
+                                     clock_kind=str(tc.clock), dtype=resolve_dtype(cfg), machine=machine_info(),
+                                     bar=bar)
         bar.close()
         model.save(tmp / "step_cost.json")
         modeled = [model.predict(c["tree"], ref_ctx) for c in cands]
-        assert timer is not None
-        t = timer.result()
         trees = tree_entries(cands, per_tree_tps, modeled, t, model, check_ctx,
                              lambda tps, step_s: e2e_tokens_per_second(tps, step_s, t["prefill_s"], n_new))
         if tc.prune:
@@ -107,8 +77,8 @@ def output(cfg: DictConfig) -> Path:
             "signal_ms": {name: chain_ms for name in HEAD_SIGNALS},
             "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
             "cost_model": {"file": "step_cost.json", "clock": str(tc.clock), "reference_context": ref_ctx,
-                           "check_context": check_ctx, "check_rounds_after_probe_rounds": [k + 1 for k in check_after],
-                           "pruned_with_probe_rounds": pruned_with,
+                           "check_context": check_ctx, "check_rounds_after_probe_rounds": t["after_probe_rounds"],
+                           "pruned_with_probe_rounds": t["pruned_with_probe_rounds"],
                            "max_abs_error_pct": max(errors) if errors else None},
             "machine": machine_info(), "dtype": resolve_dtype(cfg),
             "tokens_per_step_from": "replay" if exact else "recalibrate", "acceptance": plain(cfg.acceptance)})
