@@ -10,6 +10,7 @@ replay) and the measured prefill time.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -108,8 +109,6 @@ def measure_and_check(
     (`prune_by_cost`, unless `prune_margin` is None) by the model of the probe rounds before the
     first check. Returns (model, the timer's result plus "after_probe_rounds": the probe rounds
     done before each check round, and "pruned_with_probe_rounds"). `bar`: a tqdm bar to advance."""
-    import math
-
     from pipeline.step_cost import StepCostModel, measure_step_cost, step_clock
 
     # check round j after probe round index after[j]
@@ -129,6 +128,8 @@ def measure_and_check(
         bar.refresh()
 
     def check(i: int, so_far: StepCostModel) -> None:
+        if i not in after:
+            return
         if state["timer"] is None:
             costs = [so_far.predict(t, ref_context)["step_ms"] / 1000 for t in trees]
             skip = prune_by_cost(tokens_per_step, costs, prune_margin) if prune_margin is not None else {}

@@ -148,8 +148,9 @@ void small_rows_matmul(const float *x, const float *P, float *y, int64_t R, int6
                        int threads) {
     int64_t panels = N / PANEL;
     if (wide < 0) small_rows_use_avx512(-1);
-    if (wide) {
-        int64_t pairs = panels / 2;
+    /* AVX-512 takes the panels in pairs; the AVX2 kernel takes all of them, or an odd last one */
+    int64_t pairs = wide ? panels / 2 : 0;
+    if (pairs) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < pairs; t++) {
             const float *p = P + 2 * t * PANEL * K;
@@ -157,16 +158,9 @@ void small_rows_matmul(const float *x, const float *P, float *y, int64_t R, int6
             for (; r + WIDE_ROWS <= R; r += WIDE_ROWS) wide_12(x, p, y, K, N, r, 2 * t * PANEL);
             if (R > r) WIDE_BY_ROWS[R - r](x, p, y, K, N, r, 2 * t * PANEL);
         }
-        if (panels % 2) { /* an odd last panel: the AVX2 kernel, same sums */
-            const float *p = P + (panels - 1) * PANEL * K;
-            int64_t r = 0;
-            for (; r + 6 <= R; r += 6) rows_6(x, p, y, K, N, r, (panels - 1) * PANEL);
-            if (R > r) BY_ROWS[R - r](x, p, y, K, N, r, (panels - 1) * PANEL);
-        }
-        return;
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < panels; t++) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (panels - 2 * pairs > 1)
+    for (int64_t t = 2 * pairs; t < panels; t++) {
         const float *p = P + t * PANEL * K;
         int64_t r = 0;
         for (; r + 6 <= R; r += 6) rows_6(x, p, y, K, N, r, t * PANEL);
