@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,3 +92,11 @@ def test_greedy_evaluate_has_no_sampling_rows() -> None:
     df, _ = compare_methods(model, hydra, _tiny_bank(), [{"id": "p0", "input_ids": [1, 5, 9, 2]}], 24, rank_cap=10)
     assert not any("typical" in m for m in df.method) and "nll_gap" not in df.columns
     assert (df.loc[df.method != "oracle (replayed)", "identical_to_ar"] == 1.0).all()
+    # the bank's methods replayed on the same continuations and costs as the oracle: never above it
+    by = df.set_index("method")
+    share = by.loc[["EntMTP*", "EntMTPτ"], "replayed_share_of_oracle"]
+    assert share.notna().all() and (share > 0).all() and (share <= 1 + 1e-9).all()
+    # the tiny ladder reads the heads' greedy chain, whose per-step cost the bank's costs lack
+    assert np.isnan(by.loc["EntMTP-l", "replayed_share_of_oracle"])
+    assert by.loc["oracle (replayed)", "replayed_share_of_oracle"] == 1.0
+    assert np.isnan(by.loc["AR", "replayed_tok_per_s"])  # not a bank method
