@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.rollout import load_rollout  # noqa: E402
-from pipeline.timing import smallest_near_best, throughput_hull  # noqa: E402
+from pipeline.timing import throughput_hull  # noqa: E402
 from runtime.bank import TopologyBank  # noqa: E402
 from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
@@ -69,14 +69,16 @@ def build_bank(
             **{f"{part}_ms": ms for part, ms in c.get("cost_ms", {}).items()},
             **{k: c[k] for k in ("measured_step_ms", "model_error_pct") if k in c},
         })
-    best = smallest_near_best([f["tok_per_s"] for f in figures], tie_tolerance)  # trees are ordered by size
     step_costs = [f["step_ms"] / 1000 for f in figures]
     # only what the decoder pays: a signal it computes without the head chain costs nothing extra
     signal_costs = {name: ms / 1000 for name, ms in timing.get("signal_ms", {}).items() if name in HEAD_SIGNALS}
     fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg, signal_costs=signal_costs,
                                tie_tolerance=tie_tolerance)
     policies = {name: f["policy"] for name, f in fitted["policies"].items()}
-    policies.setdefault("static", {"kind": "static", "index": best, "signal": "p0"})
+    # EntMTP* is the fitted static policy: the smallest tree within `tie_tolerance` of the best
+    # replayed decode rate, the objective of every other policy and of the oracle (a tolerance on
+    # the end-to-end figures, whose prefill is the same for every tree, would be a looser one)
+    best = int(policies["static"]["index"])
     default = policy_cfg.get("name", "static")
     if default not in policies:
         default = "static"

@@ -49,6 +49,7 @@ SCHEMA = 1
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
 FIXED_WIDTH = 8                   # chains of the wide probe that separates a node cost from a depth cost
 PROBE_WARMUP_STEPS = 2            # first steps of every probe decode are not used (allocator, caches)
+VERIFY_PASSES = 3                 # passes over the verify grid per probe round, spread between its probe decodes
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -305,9 +306,10 @@ def measure_step_cost(
     stage decodes its check rounds there, so model and check see the same state of the machine).
 
     Each round runs, in this order: the fixed probes (one decode of `fixed_tokens` new tokens with
-    each of: chains of depth 0, 1 and max, `FIXED_WIDTH` chains of depth 1 and of depth max), the
-    verify grid (contexts in increasing order, the cache filled with random tokens and truncated
-    back after each forward) and the draft probes (`propose` of every chains_tree).
+    each of: chains of depth 0, 1 and max, `FIXED_WIDTH` chains of depth 1 and of depth max) with
+    `VERIFY_PASSES` passes over the verify grid between and after them (contexts in increasing
+    order, the cache filled with random tokens and truncated back after each forward), then the
+    draft probes (`propose` of every chains_tree).
     `clock_kind`: see `step_clock`."""
     model, heads = decoder.model, decoder.heads
     dev = model.device
@@ -365,7 +367,11 @@ def measure_step_cost(
             machine=dict(machine or {}), clock=clock_kind,
         )
 
-    total = repeats * (len(probe_trees) + len(verify_s) + len(draft_s))
+    # the verify grid runs VERIFY_PASSES times per round, between the probe decodes: a pass takes
+    # under a second, and the shared machine's speed moves for seconds at a time, so one pass per
+    # round would sample as few of its phases as there are rounds
+    after_probe = {round((j + 1) * len(probe_trees) / VERIFY_PASSES) - 1 for j in range(VERIFY_PASSES)}
+    total = repeats * (len(probe_trees) + VERIFY_PASSES * len(verify_s) + len(draft_s))
     done = 0
     for i in range(repeats):
         for k in range(len(probe_trees)):
@@ -377,12 +383,14 @@ def measure_step_cost(
             rest = parts.rest()
             rest_s[k].extend(rest[PROBE_WARMUP_STEPS:] or rest)
             done += 1
-        model.reset_cache()
-        for ctx in contexts:
-            _fill_cache(model, ctx, gen)
-            for n in rows:
-                verify_s[(ctx, n)].append(verify_once(ctx, n))
-                done += 1
+            if k not in after_probe:
+                continue
+            model.reset_cache()
+            for ctx in contexts:
+                _fill_cache(model, ctx, gen)
+                for n in rows:
+                    verify_s[(ctx, n)].append(verify_once(ctx, n))
+                    done += 1
         h, root = _context_vector(model, heads, prompt)
         for key, buf in draft_trees.items():
             t0 = now()

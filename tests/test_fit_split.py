@@ -46,6 +46,8 @@ def test_bank_fits_on_calib_and_never_reads_eval(bundle: TinyBundle, tmp_path: P
     assert "eval" not in reads, f"the bank stage read the eval split: {reads}"
     bank = json.loads((bank_dir / "bank.json").read_text())
     assert bank["policies"], "the bank holds no fitted policies"
+    # EntMTP* (the bank's best static tree) is the fitted static policy, not a second choice
+    assert bank["best_static"] == bank["policies"]["static"]["index"]
     recorded = bank["provenance"]["config"]
     assert recorded["task"]["name"] == "humaneval" and recorded["lossless"] == cfg.lossless
     assert "stage" not in recorded and "force" not in recorded, "the bank records how it was invoked"
