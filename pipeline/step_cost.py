@@ -198,6 +198,19 @@ class StepCostModel:
         return cls.from_dict(d)
 
 
+def paired_medians(samples: dict[Any, list[float]], ref: Any) -> dict[Any, float]:
+    """Per cell, a median of its samples where sample j of every cell comes from pass j: the
+    reference cell's median times the median of the cell's ratio to the reference sample of the
+    same pass. A speed phase of a shared machine slows one pass's forwards alike, so it cancels in
+    the ratios, and the differences between row counts (what decides between trees) keep only the
+    noise within a pass; with plain medians each cell kept its own share of the phases."""
+    base = samples[ref]
+    if not base or any(len(xs) != len(base) for xs in samples.values()):
+        raise ValueError("paired_medians needs the same number of samples (one per pass) in every cell")
+    level = statistics.median(base)
+    return {key: level * statistics.median([x / b for x, b in zip(xs, base)]) for key, xs in samples.items()}
+
+
 def fit_fixed(points: Sequence[tuple[int, int, float]]) -> list[float]:
     """Least-squares [a, b, c] of fixed_ms = a + b * depth + c * nodes over (depth, nodes, ms) points.
     Components the points cannot tell apart (e.g. only chains, where nodes = depth + 1) are dropped
@@ -308,8 +321,9 @@ def measure_step_cost(
     Each round runs, in this order: the fixed probes (one decode of `fixed_tokens` new tokens with
     each of: chains of depth 0, 1 and max, `FIXED_WIDTH` chains of depth 1 and of depth max) with
     `VERIFY_PASSES` passes over the verify grid between and after them (contexts in increasing
-    order, the cache filled with random tokens and truncated back after each forward), then the
-    draft probes (`propose` of every chains_tree).
+    order, the cache filled with random tokens and truncated back after each forward; each cell's
+    figure is a `paired_medians` over the passes), then the draft probes (`propose` of every
+    chains_tree).
     `clock_kind`: see `step_clock`."""
     model, heads = decoder.model, decoder.heads
     dev = model.device
@@ -353,12 +367,13 @@ def measure_step_cost(
     for buf in draft_trees.values():
         heads.propose(h, root, buf)
     def so_far(rounds: int) -> StepCostModel:
+        verify_med = paired_medians(verify_s, (contexts[0], 1))
         fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * statistics.median(r)}
                         for t, r in zip(probe_trees, rest_s)]
         # medians, made non-decreasing in rows and context (verify) and in depth and width (draft)
         return StepCostModel(
             kind=kind, num_heads=n_heads, verify_rows=rows, verify_contexts=contexts,
-            verify_ms=_monotone_table([[1e3 * statistics.median(verify_s[(c, n)]) for n in rows] for c in contexts]),
+            verify_ms=_monotone_table([[1e3 * verify_med[(c, n)] for n in rows] for c in contexts]),
             draft_widths=widths,
             draft_ms=_monotone_table([[1e3 * statistics.median(draft_s[(d, w)]) for w in widths]
                                       for d in range(n_heads + 1)]),

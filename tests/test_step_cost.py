@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.step_cost import (StepCostModel, chains_tree, fit_fixed, level_widths, measure_step_cost, nondecreasing,
-                                step_clock)
+                                paired_medians, step_clock)
 from pipeline.timing import prune_by_cost
 from runtime.tree import Tree
 
@@ -262,3 +262,27 @@ def test_time_stage_writes_modeled_components_and_the_check(bundle, tmp_path: Pa
     # the 2 check rounds ran between the model's 2 probe rounds (after the 1st) and after the last
     assert timing["cost_model"]["check_rounds_after_probe_rounds"] == [1, 2]
     assert timing["cost_model"]["pruned_with_probe_rounds"] == 1
+
+
+
+def test_paired_medians_cancel_the_phases_that_slow_a_whole_pass() -> None:
+    """Cells measured once per pass, each pass slowed by its own phase of the machine (up to 40%)
+    plus 2% noise per forward: the paired figures keep the ratios between cells (what decides
+    between trees) to the noise within a pass; plain per-cell medians do not."""
+    true = {(100, 1): 30.0, (100, 3): 31.0, (100, 9): 37.0, (200, 1): 31.0, (200, 9): 38.5}
+
+    def ratio_error(est: dict) -> float:
+        return max(abs(est[k] / est[(100, 1)] - v / true[(100, 1)]) for k, v in true.items())
+
+    worst_plain = worst_paired = 0.0
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        phase = 1 + 0.4 * rng.random(21)
+        samples = {k: [v * p * (1 + 0.02 * rng.standard_normal()) for p in phase] for k, v in true.items()}
+        paired = paired_medians(samples, (100, 1))
+        assert paired[(100, 1)] == float(np.median(samples[(100, 1)]))  # the reference keeps its own median
+        worst_paired = max(worst_paired, ratio_error(paired))
+        worst_plain = max(worst_plain, ratio_error({k: float(np.median(x)) for k, x in samples.items()}))
+    assert worst_paired < 0.025 and 1.5 * worst_paired < worst_plain
+    with pytest.raises(ValueError, match="same number of samples"):
+        paired_medians({**samples, (300, 1): [1.0]}, (100, 1))
