@@ -141,6 +141,19 @@ def test_prune_by_cost_keeps_only_trees_that_can_pay() -> None:
     assert "cannot beat 125.00 tok/s" in pruned[2]
 
 
+def test_the_early_model_prunes_only_what_cannot_pay_even_twice_discounted() -> None:
+    from pipeline.timing import early_margin
+
+    assert abs(early_margin(0.15) - 0.2775) < 1e-12 and early_margin(0.0) == 0.0
+    # figures of one run's first-round model: the 9-node tree (2.351 tokens/step at 54.8 ms) looked
+    # unable to beat the 3-node tree's 53.05 tok/s with the final 15% margin; the final model put
+    # it at 49.0 ms, inside that margin, so the early decision must not drop it
+    tps, cost = [1.0, 1.838, 2.351], [0.0310, 0.03465, 0.0548]
+    assert 2 in prune_by_cost(tps, cost, margin=0.15)
+    assert 2 not in prune_by_cost(tps, cost, margin=early_margin(0.15))
+    assert 2 not in prune_by_cost(tps, [0.0310, 0.0330, 0.0490], margin=0.15)
+
+
 def test_prune_again_marks_what_the_final_model_prunes_and_keeps_earlier_reasons() -> None:
     from pipeline.timing import prune_again
 
