@@ -305,7 +305,9 @@ class TimeConfig:
     rounds: int = at_least(12, 1)
     new_tokens: int = at_least(24, 1)  # tokens per timed decode (the first 2 steps of each are warm-up)
     prune: bool = True                 # skip trees whose replayed tokens/step cannot pay for their modeled cost
-    prune_margin: float = at_least(0.15, 0.0, 0.99)  # ... even this fraction cheaper than modeled
+    # ... even this fraction cheaper than modeled (the first probe round's model, which decides what is
+    # never timed, prunes with this margin twice over: `pipeline.timing.early_margin`)
+    prune_margin: float = at_least(0.15, 0.0, 0.99)
 
 
 @dataclass

@@ -107,8 +107,9 @@ def measure_and_check(
     `rounds` check rounds of a `TreeTimer` run between them, spread so that the mid-points of both
     coincide (machine drift then moves the model and its check alike). Trees are pruned
     (`prune_by_cost` with `early_margin(prune_margin)`, unless `prune_margin` is None) by the model
-    of the probe rounds before the first check. Returns (model, the timer's result plus "after_probe_rounds": the probe rounds
-    done before each check round, and "pruned_with_probe_rounds"). `bar`: a tqdm bar to advance."""
+    of the probe rounds before the first check. Returns (model, the timer's result plus
+    "after_probe_rounds": the probe rounds done before each check round, and
+    "pruned_with_probe_rounds"). `bar`: a tqdm bar to advance."""
     from pipeline.step_cost import StepCostModel, measure_step_cost, step_clock
 
     # check round j after probe round index after[j]

@@ -14,7 +14,7 @@ import torch
 
 from pipeline.step_cost import (StepCostModel, chains_tree, fit_fixed, level_widths, measure_step_cost, nondecreasing,
                                 paired_medians, step_clock)
-from pipeline.timing import prune_by_cost
+from pipeline.timing import early_margin, prune_by_cost
 from runtime.tree import Tree
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -142,8 +142,6 @@ def test_prune_by_cost_keeps_only_trees_that_can_pay() -> None:
 
 
 def test_the_early_model_prunes_only_what_cannot_pay_even_twice_discounted() -> None:
-    from pipeline.timing import early_margin
-
     assert abs(early_margin(0.15) - 0.2775) < 1e-12 and early_margin(0.0) == 0.0
     # figures of one run's first-round model: the 9-node tree (2.351 tokens/step at 54.8 ms) looked
     # unable to beat the 3-node tree's 53.05 tok/s with the final 15% margin; the final model put
