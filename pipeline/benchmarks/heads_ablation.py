@@ -4,7 +4,7 @@
         [--holdout-per-task 10] [--new-tokens 128] [--variants baseline sampled rank ttt] [--seeds 0 1]
 
 Every variant trains heads of `conf/heads/<kind>.yaml` on the same self-distilled continuations of
-the same training prompts (the default mix, fewer prompts), with the same epochs and seed, and is
+the same training prompts (the default mix, fewer prompts), with the same epochs and seed (unless a variant sets them), and is
 judged on held-out text the heads never saw: the base model's greedy continuations of the first
 calib prompts of each task (calib splits are disjoint from every train pool). The measure is
 what a bank sees: replayed tokens/step of fixed trees (a 4-chain, the 9-node depth-4 tree small
@@ -56,6 +56,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sampled": {"sampled_continuations": 1, "sample_temperature": 0.8},   # + one T=0.8 sample per prompt
     "rank": {"rank_loss_weight": 0.5, "rank_loss_topk": 8},              # HASS-style top-8 listwise term
     "ttt": {"ttt_weight": 0.5},                                          # EAGLE-3 training-time test
+    # on top of the shipped recipe (one sampled continuation): more data, or more of the same training
+    "sampled2": {"sampled_continuations": 2, "sample_temperature": 0.8},  # two T=0.8 samples per prompt
+    "sampled_8ep": {"sampled_continuations": 1, "sample_temperature": 0.8, "epochs": 8.0},
+    "sampled_lr3e-3": {"sampled_continuations": 1, "sample_temperature": 0.8, "lr": 3e-3},
 }
 
 
