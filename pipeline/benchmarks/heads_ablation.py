@@ -81,8 +81,8 @@ def run_variant(name: str, overrides: dict[str, Any], seed: int, base: TrainSett
     key = {"heads": config.to_dict(), "train": s.key_dict(), "data": hash_obj([r["id"] for r in train_rows]),
            "holdout": {t: [len(q["tokens"]) for q in v] for t, v in holdout.items()}, "trees": list(REPLAY_TREES)}
     done = cache / f"run-{hash_obj(key)}.json"
-    if done.is_file():
-        return read_json(done)
+    if done.is_file():  # keyed by what is trained, so a run cached under another name is renamed
+        return {**read_json(done), "variant": name}
     seqs = list(greedy)
     for k in range(s.sampled_continuations):
         seqs += build_selfdistill(model_dir, train_rows, s, sd_dir / f"train-T{s.sample_temperature:g}-s{k}",
