@@ -1,12 +1,13 @@
 """Training changes for the draft heads, each against the baseline recipe at one reduced scale.
 
     python -m pipeline.benchmarks.heads_ablation [--kind hydra] [--train-prompts 96]
-        [--holdout-per-task 10] [--new-tokens 128] [--variants baseline sampled rank ttt] [--seeds 0 1]
+        [--holdout-per-task 10] [--new-tokens 128] [--variants baseline sampled rank ttt sampled_8ep ...] [--seeds 0 1]
 
 Every variant trains heads of `conf/heads/<kind>.yaml` on the same self-distilled continuations of
-the same training prompts (the default mix, fewer prompts), with the same epochs and seed (unless a variant sets them), and is
-judged on held-out text the heads never saw: the base model's greedy continuations of the first
-calib prompts of each task (calib splits are disjoint from every train pool). The measure is
+the same training prompts (the default mix, fewer prompts), with the same epochs and seed (unless
+a variant sets them), and is judged on held-out text the heads never saw: the base model's greedy
+continuations of the first calib prompts of each task (calib splits are disjoint from every train
+pool). The measure is
 what a bank sees: replayed tokens/step of fixed trees (a 4-chain, the 9-node depth-4 tree small
 banks keep, mc_sim_7b_63) along those continuations, per task, plus each head's top-1.
 
