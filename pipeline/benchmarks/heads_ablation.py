@@ -7,9 +7,9 @@ Every variant trains heads of `conf/heads/<kind>.yaml` on the same self-distille
 the same training prompts (the default mix, fewer prompts), with the same epochs and seed (unless
 a variant sets them), and is judged on held-out text the heads never saw: the base model's greedy
 continuations of the first calib prompts of each task (calib splits are disjoint from every train
-pool). The measure is
-what a bank sees: replayed tokens/step of fixed trees (a 4-chain, the 9-node depth-4 tree small
-banks keep, mc_sim_7b_63) along those continuations, per task, plus each head's top-1.
+pool). The measure is what a bank sees: replayed tokens/step of fixed trees (a 4-chain, the 9-node
+depth-4 tree small banks keep, mc_sim_7b_63) along those continuations, per task, plus each head's
+top-1.
 
 A variant is a set of `heads.train` overrides (`VARIANTS`); `--set key=value ...` adds one more,
 named `custom`. `--shipped` also measures every heads folder shipped for the model on the same
@@ -52,15 +52,16 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 
 # heads.train overrides of each training change under trial
+SAMPLED: dict[str, Any] = {"sampled_continuations": 1, "sample_temperature": 0.8}  # the shipped Hydra recipe's data
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {},
-    "sampled": {"sampled_continuations": 1, "sample_temperature": 0.8},   # + one T=0.8 sample per prompt
+    "sampled": SAMPLED,                                                   # + one T=0.8 sample per prompt
     "rank": {"rank_loss_weight": 0.5, "rank_loss_topk": 8},              # HASS-style top-8 listwise term
     "ttt": {"ttt_weight": 0.5},                                          # EAGLE-3 training-time test
     # on top of the shipped recipe (one sampled continuation): more data, or more of the same training
-    "sampled2": {"sampled_continuations": 2, "sample_temperature": 0.8},  # two T=0.8 samples per prompt
-    "sampled_8ep": {"sampled_continuations": 1, "sample_temperature": 0.8, "epochs": 8.0},
-    "sampled_lr3e-3": {"sampled_continuations": 1, "sample_temperature": 0.8, "lr": 3e-3},
+    "sampled2": {**SAMPLED, "sampled_continuations": 2},                 # two T=0.8 samples per prompt
+    "sampled_8ep": {**SAMPLED, "epochs": 8.0},
+    "sampled_lr3e-3": {**SAMPLED, "lr": 3e-3},
 }
 
 
