@@ -67,7 +67,8 @@ def build_bank(
             "step_agreement": r.get("step_agreement"),
             # the step-cost model's components (ms) and the timed decode that checked it
             **{f"{part}_ms": ms for part, ms in c.get("cost_ms", {}).items()},
-            **{k: c[k] for k in ("measured_step_ms", "model_error_pct") if k in c},
+            **{k: c[k] for k in ("measured_step_ms", "phase_corrected_step_ms", "model_error_pct", "raw_model_error_pct")
+               if k in c},
         })
     step_costs = [f["step_ms"] / 1000 for f in figures]
     # only what the decoder pays: a signal it computes without the head chain costs nothing extra
@@ -147,9 +148,9 @@ def plot_throughput_frontier(cands: list[dict], hull: list[int], members: list[i
 
 def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: dict, members: set[int] = frozenset()) -> None:
     """Per candidate tree (ordered by size), its modeled step cost stacked as draft / verify / fixed
-    where the time stage recorded the components, with the timed decodes' medians overlaid (they
-    ran at a slightly shorter context than the bank's reference, see timing.json). Trees in the
-    bank are marked with *."""
+    where the time stage recorded the components, with the timed decodes' medians overlaid, plain
+    and brought to the model's speed by their phase probes (they ran at a slightly shorter context
+    than the bank's reference, see timing.json). Trees in the bank are marked with *."""
     order = sorted(range(len(cands)), key=lambda k: (cands[k]["nodes"], cands[k]["depth"]))
     xs = list(range(len(order)))
     fig, ax = plt.subplots(figsize=(max(7.0, 0.55 * len(order) + 2), 4.5))
@@ -163,8 +164,12 @@ def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: d
         ax.bar(xs, [cands[k]["step_ms"] for k in order], color="tab:blue", alpha=0.8, label="step (timed)")
     mx = [x for x, k in zip(xs, order) if cands[k].get("measured_step_ms") is not None]
     if mx:
-        ax.scatter(mx, [cands[order[x]]["measured_step_ms"] for x in mx], color="k", zorder=5, s=22,
+        ax.scatter(mx, [cands[order[x]]["measured_step_ms"] for x in mx], color="k", marker="x", zorder=5, s=22,
                    label="timed decode (median step)")
+    px = [x for x in mx if cands[order[x]].get("phase_corrected_step_ms") is not None]
+    if px:  # what the model's error is measured against
+        ax.scatter(px, [cands[order[x]]["phase_corrected_step_ms"] for x in px], color="k", zorder=6, s=22,
+                   label="timed decode at the model's speed (phase probes)")
     ax.axhline(ar_ms, color="gray", ls="--", label=f"AR token {ar_ms:.1f} ms")
     ax.set_xticks(xs)
     ax.set_xticklabels([f"{cands[k]['nodes']}/d{cands[k]['depth']}{'*' if k in members else ''}" for k in order],

@@ -14,7 +14,13 @@ A step is draft + verify + fixed (see runtime/decoder.py):
   minus its draft and verify calls, and fitted as a + b * depth + c * nodes.
 
 Every figure is a median over many short repeats, with all probes of a round interleaved so that
-the load of a shared machine hits them alike. The model is what the time stage, pruning, bank
+the load of a shared machine hits them alike. A shared machine also runs whole seconds faster or
+slower (identical one-row forwards of an AMD EPYC VM ranged 27-37 ms in 2-second windows), so each
+draft and fixed measurement is taken as a ratio to a *phase probe* timed right after it (the median
+of `PHASE_FORWARDS` one-row forwards) and scaled back by the run's median probe; the verify grid
+is paired the same way within each pass (`paired_medians`). The timed decodes that check the model
+are probed alike (`pipeline.timing.TreeTimer`), so the check compares what the model claims, a
+step's cost at the run's median speed, with a decode brought to that speed. The model is what the time stage, pruning, bank
 selection and policy fitting use, so every candidate tree has a cost without decoding it; timed
 decodes of a few trees check it (`check_errors`).
 """
@@ -45,11 +51,12 @@ from runtime.tree import Tree, TreeBuffers
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 1
+SCHEMA = 2  # 2: draft and fixed figures scaled by phase probes (phase_ms)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
 FIXED_WIDTH = 8                   # chains of the wide probe that separates a node cost from a depth cost
 PROBE_WARMUP_STEPS = 2            # first steps of every probe decode are not used (allocator, caches)
 VERIFY_PASSES = 3                 # passes over the verify grid per probe round, spread between its probe decodes
+PHASE_FORWARDS = 3                # one-row forwards per phase probe (~0.1 s: short next to a speed phase)
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -110,6 +117,10 @@ class StepCostModel:
     draft_ms: list[list[float]]
     fixed_coef: list[float]              # fixed ms = a + b * depth + c * nodes
     fixed_points: list[dict[str, float]] = field(default_factory=list)  # the probe medians the fit came from
+    # median phase probe (ms): the one-row forward the draft and fixed figures are scaled to, and the
+    # context it ran at; the model's figures are the machine at this speed
+    phase_ms: float = 0.0
+    phase_context: int = 0
     repeats: int = 0
     clock: str = "wall"                  # what the figures count (`step_clock`)
     dtype: str = ""
@@ -137,9 +148,11 @@ class StepCostModel:
             raise ValueError(f"{what}: draft_ms must be [{self.num_heads + 1} depths][{len(self.draft_widths)} widths]")
         if len(self.fixed_coef) != 3:
             raise ValueError(f"{what}: fixed_coef must be [a, b, c] (a + b * depth + c * nodes), got {self.fixed_coef}")
-        values = [v for r in self.verify_ms + self.draft_ms for v in r] + list(self.fixed_coef)
+        values = [v for r in self.verify_ms + self.draft_ms for v in r] + list(self.fixed_coef) + [self.phase_ms]
         if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
             raise ValueError(f"{what}: every timing must be a finite number")
+        if self.phase_ms < 0 or self.phase_context < 0:
+            raise ValueError(f"{what}: phase_ms and phase_context must be >= 0")
 
     # -- components ----------------------------------------------------------------------------
 
@@ -284,7 +297,7 @@ def step_clock(kind: str, device: torch.device) -> Callable[[], float]:
     raise ValueError(f"clock must be one of {CLOCKS}, got {kind!r}")
 
 
-def _fill_cache(model: Transformer, length: int, gen: torch.Generator) -> None:
+def fill_cache(model: Transformer, length: int, gen: torch.Generator) -> None:
     """Make the committed cache exactly `length` positions (random tokens appended as needed)."""
     if model.cache_len > length:
         model.truncate_cache(length)
@@ -293,6 +306,31 @@ def _fill_cache(model: Transformer, length: int, gen: torch.Generator) -> None:
         n = min(256, length - start)  # chunks bound the activation memory
         ids = torch.randint(0, model.args.vocab_size, (1, n), generator=gen).to(model.device)
         model(ids, torch.arange(start, start + n, device=model.device), last_only=True)
+
+
+def time_forward(model: Transformer, context: int, rows: int, gen: torch.Generator, now: Callable[[], float]) -> float:
+    """Seconds of one forward of `rows` random new tokens (causal among themselves) after the first
+    `context` committed positions, which must be in the cache; the cache is cut back to `context`."""
+    if model.cache_len < context:
+        raise ValueError(f"time_forward at context {context}: the cache holds {model.cache_len} positions")
+    model.truncate_cache(context)
+    dev = model.device
+    ids = torch.randint(0, model.args.vocab_size, (1, rows), generator=gen).to(dev)
+    mask = torch.ones(rows, rows, dtype=torch.bool, device=dev).tril()
+    pos = torch.arange(context, context + rows, device=dev)
+    t0 = now()
+    model(ids, pos, mask, check_mask=False)
+    t = now() - t0
+    model.truncate_cache(context)
+    return t
+
+
+@torch.inference_mode()
+def phase_probe(model: Transformer, context: int, gen: torch.Generator, now: Callable[[], float]) -> float:
+    """The machine's speed right now: median seconds of `PHASE_FORWARDS` one-row forwards at
+    `context` (committed positions the cache holds; it is cut back to `context`). A figure divided
+    by the probe timed right after it is free of the speed phase both fell in."""
+    return statistics.median(time_forward(model, context, 1, gen, now) for _ in range(PHASE_FORWARDS))
 
 
 def _context_vector(model: Transformer, heads: DraftHeads, prompt: Sequence[int]) -> tuple[torch.Tensor, int]:
@@ -323,7 +361,8 @@ def measure_step_cost(
     `VERIFY_PASSES` passes over the verify grid between and after them (contexts in increasing
     order, the cache filled with random tokens and truncated back after each forward; each cell's
     figure is a `paired_medians` over the passes), then the draft probes (`propose` of every
-    chains_tree).
+    chains_tree). A `phase_probe` follows every probe decode and precedes the draft probes; their
+    figures are medians of ratios to it, times the median probe (`StepCostModel.phase_ms`).
     `clock_kind`: see `step_clock`."""
     model, heads = decoder.model, decoder.heads
     dev = model.device
@@ -343,24 +382,24 @@ def measure_step_cost(
     probe = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in probe_trees], acceptance=decoder.acceptance)
     gen = torch.Generator().manual_seed(0)
     verify_s: dict[tuple[int, int], list[float]] = {(c, n): [] for c in contexts for n in rows}
-    draft_s: dict[tuple[int, int], list[float]] = {k: [] for k in draft_trees}
-    rest_s: list[list[float]] = [[] for _ in probe_trees]
+    draft_s: dict[tuple[int, int], list[float]] = {k: [] for k in draft_trees}  # / the round's draft phase probe
+    rest_s: list[list[float]] = [[] for _ in probe_trees]   # each step's rest / the phase probe after its decode
     now = step_clock(clock_kind, dev)
 
     def verify_once(ctx: int, n: int) -> float:
-        ids = torch.randint(0, model.args.vocab_size, (1, n), generator=gen).to(dev)
-        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        pos = torch.arange(ctx, ctx + n, device=dev)
-        t0 = now()
-        model(ids, pos, mask, check_mask=False)
-        t = now() - t0
-        model.truncate_cache(ctx)
-        return t
+        return time_forward(model, ctx, n, gen, now)
+
+    p_ctx = len(prompt)  # phase probes run after the prompt, which every probe decode leaves in the cache
+    phase_s: list[float] = []
+
+    def probed() -> float:
+        phase_s.append(phase_probe(model, p_ctx, gen, now))
+        return phase_s[-1]
 
     # warm-up: every probe decode once, every verify size once, every draft tree once
     for k in range(len(probe_trees)):
         probe.generate(prompt, 6, choose=k, eos_ids=(), sampler=sampler)
-    _fill_cache(model, contexts[0], gen)
+    fill_cache(model, contexts[0], gen)
     for n in rows:
         verify_once(contexts[0], n)
     h, root = _context_vector(model, heads, prompt)
@@ -368,18 +407,19 @@ def measure_step_cost(
         heads.propose(h, root, buf)
     def so_far(rounds: int) -> StepCostModel:
         verify_med = paired_medians(verify_s, (contexts[0], 1))
-        fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * statistics.median(r)}
+        level = statistics.median(phase_s)
+        fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * level * statistics.median(r)}
                         for t, r in zip(probe_trees, rest_s)]
         # medians, made non-decreasing in rows and context (verify) and in depth and width (draft)
         return StepCostModel(
             kind=kind, num_heads=n_heads, verify_rows=rows, verify_contexts=contexts,
             verify_ms=_monotone_table([[1e3 * verify_med[(c, n)] for n in rows] for c in contexts]),
             draft_widths=widths,
-            draft_ms=_monotone_table([[1e3 * statistics.median(draft_s[(d, w)]) for w in widths]
+            draft_ms=_monotone_table([[1e3 * level * statistics.median(draft_s[(d, w)]) for w in widths]
                                       for d in range(n_heads + 1)]),
             fixed_coef=fit_fixed([(p["depth"], p["nodes"], p["ms"]) for p in fixed_points]),
             fixed_points=fixed_points, repeats=rounds, dtype=dtype, threads=torch.get_num_threads(),
-            machine=dict(machine or {}), clock=clock_kind,
+            machine=dict(machine or {}), clock=clock_kind, phase_ms=1e3 * level, phase_context=p_ctx,
         )
 
     # the verify grid runs VERIFY_PASSES times per round, between the probe decodes: a pass takes
@@ -396,21 +436,23 @@ def measure_step_cost(
             finally:
                 parts.close()
             rest = parts.rest()
-            rest_s[k].extend(rest[PROBE_WARMUP_STEPS:] or rest)
+            p = probed()
+            rest_s[k].extend(r / p for r in rest[PROBE_WARMUP_STEPS:] or rest)
             done += 1
             if k not in after_probe:
                 continue
             model.reset_cache()
             for ctx in contexts:
-                _fill_cache(model, ctx, gen)
+                fill_cache(model, ctx, gen)
                 for n in rows:
                     verify_s[(ctx, n)].append(verify_once(ctx, n))
                     done += 1
         h, root = _context_vector(model, heads, prompt)
+        p = probed()
         for key, buf in draft_trees.items():
             t0 = now()
             heads.propose(h, root, buf)
-            draft_s[key].append(now() - t0)
+            draft_s[key].append((now() - t0) / p)
             done += 1
         if progress:
             progress(done, total)
@@ -437,13 +479,24 @@ def cost_contexts(prompt_tokens: float, max_new_tokens: int, check_tokens: int) 
     return sorted({p, ref, p + max_new_tokens}), ref, check
 
 
+def phase_corrected(timed: dict[str, Any], k: int, model: StepCostModel) -> float:
+    """Tree k's timed step (ms) at the speed the model's figures stand for: its median ratio to the
+    phase probes after its decodes times the model's median probe. NaN when either is missing (a
+    timer without phase probes, a model from before them)."""
+    ratio = timed.get("step_over_phase", [float("nan")] * (k + 1))[k]
+    return ratio * model.phase_ms if model.phase_ms > 0 else float("nan")
+
+
 def tree_entries(cands: list[dict], tokens_per_step: Sequence[float], modeled: Sequence[dict[str, float]],
                  timed: dict[str, Any], model: StepCostModel, check_context: int,
                  tok_per_s: Callable[[float, float], float]) -> list[dict[str, Any]]:
     """timing.json's per-tree entries: the modeled cost and its draft / verify / fixed parts, the
     tok/s they imply (`tok_per_s(tokens_per_step, step_seconds)`), and for every tree that
     the `TreeTimer` decoded (`timed`: its result) the measured step, the model's figure at the context of those
-    decodes and its error. Each checked tree is logged."""
+    decodes and its error. The error the check reports (`model_error_pct`) is against the decode brought to
+    the model's speed by its phase probes (`phase_corrected`); `raw_model_error_pct` is against the plain
+    median, which also holds how much faster or slower the machine ran while the check decoded. Each
+    checked tree is logged."""
     trees = []
     for k, (c, m, measured) in enumerate(zip(cands, modeled, timed["step_s"])):
         tree = c["tree"]
@@ -457,10 +510,17 @@ def tree_entries(cands: list[dict], tokens_per_step: Sequence[float], modeled: S
             entry["pruned"] = timed["pruned"][k]
         else:
             at_check = model.predict(tree, check_context)["step_ms"]
+            corrected = phase_corrected(timed, k, model)
             entry.update({"measured_step_ms": 1000 * measured, "modeled_step_ms_at_check": at_check,
-                          "model_error_pct": error_pct(at_check, 1000 * measured)})
+                          "raw_model_error_pct": error_pct(at_check, 1000 * measured)})
+            if math.isfinite(corrected):
+                entry.update({"phase_corrected_step_ms": corrected, "model_error_pct": error_pct(at_check, corrected)})
+            else:
+                entry["model_error_pct"] = entry["raw_model_error_pct"]
             log.info("[time] %2d nodes depth %d: modeled %.1f ms (draft %.1f, verify %.1f, fixed %.1f), timed decode "
-                     "%.1f ms, error %+.1f%%", entry["nodes"], entry["depth"], at_check, *entry["cost_ms"].values(),
-                     entry["measured_step_ms"], entry["model_error_pct"])
+                     "%.1f ms (%.1f at the model's speed), error %+.1f%% (raw %+.1f%%)", entry["nodes"], entry["depth"],
+                     at_check, *entry["cost_ms"].values(), entry["measured_step_ms"],
+                     entry.get("phase_corrected_step_ms", float("nan")), entry["model_error_pct"],
+                     entry["raw_model_error_pct"])
         trees.append(entry)
     return trees

@@ -31,11 +31,15 @@ class TreeTimer:
     Trees in `skip` (index -> why) are not decoded: they get a NaN latency and are listed in
     "pruned". Within a round the trees are interleaved prompt by prompt. `now` is the clock
     (default: wall clock after a device synchronisation); a step lasts from one emitted batch of
-    tokens to the next, the prefill from the call to the first token."""
+    tokens to the next, the prefill from the call to the first token.
+
+    With `phase_context` set, a `pipeline.step_cost.phase_probe` at that context follows every
+    decode and AR run, and `result` also gives each figure as a ratio to it (what the step-cost
+    model's check compares: the model's figures are the machine at its median probe)."""
 
     def __init__(self, decoder: TreeDecoder, rows: list[dict], new_tokens: int = 24, warmup_steps: int = 2,
                  skip: dict[int, str] | None = None, sampler: Sampler | None = None,
-                 now: Callable[[], float] | None = None) -> None:
+                 now: Callable[[], float] | None = None, phase_context: int | None = None) -> None:
         n = len(decoder.trees)
         self.pruned = dict(skip or {})
         if any(not 0 <= k < n for k in self.pruned):
@@ -45,12 +49,26 @@ class TreeTimer:
         self.decoder, self.rows, self.new_tokens, self.warmup_steps, self.sampler = \
             decoder, rows, new_tokens, warmup_steps, sampler
         self.now = now or (lambda: clock(decoder.model.device))
+        self.phase_context = phase_context
+        self._gen = torch.Generator().manual_seed(1)
+        self.step_ratio: list[list[float]] = [[] for _ in range(n)]
+        self.ar_ratio: list[float] = []
         self.timed = [k for k in range(n) if k not in self.pruned]
         self.step_s: list[list[float]] = [[] for _ in range(n)]
         self.ar_s: list[float] = []
         self.prefill_s: list[float] = []
         self.prompt_tokens: list[int] = []
         self.rounds = 0
+
+    def _probe(self) -> float:
+        """A phase probe at `phase_context` (the cache cut back or filled up to it), or NaN without one."""
+        from pipeline.step_cost import fill_cache, phase_probe
+
+        if self.phase_context is None:
+            return float("nan")
+        model = self.decoder.model
+        fill_cache(model, self.phase_context, self._gen)
+        return phase_probe(model, self.phase_context, self._gen, self.now)
 
     @property
     def runs_per_round(self) -> int:
@@ -66,6 +84,7 @@ class TreeTimer:
             t0 = now()
             out = ar_generate(dec.model, row["input_ids"], self.new_tokens // 2, sampler=sampler)
             ar_total = now() - t0
+            ar_probe = self._probe()
             if progress:
                 progress()
             for k in self.timed:
@@ -74,6 +93,8 @@ class TreeTimer:
                              stream=lambda _tokens: marks.append(now()))
                 steps = [b - a for a, b in zip(marks[1:], marks[2:])]
                 self.step_s[k].extend(steps[self.warmup_steps:] or steps)
+                p = self._probe()
+                self.step_ratio[k].extend(x / p for x in steps[self.warmup_steps:] or steps)
                 self.prefill_s.append(marks[1] - marks[0])
                 self.prompt_tokens.append(len(row["input_ids"]))
                 if progress:
@@ -82,15 +103,19 @@ class TreeTimer:
             pre = statistics.median(self.prefill_s[-len(self.timed):])
             if len(out) > 1:
                 self.ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
+                self.ar_ratio.append(self.ar_s[-1] / ar_probe)
         self.rounds += 1
 
     def result(self) -> dict[str, Any]:
-        """Median step latency (s) per tree, median AR per-token latency, prefill time, pruned trees."""
+        """Median step latency (s) per tree, median AR per-token latency, prefill time, pruned trees,
+        and (NaN without `phase_context`) the medians of steps and AR tokens over their phase probes."""
         if not self.rounds:
             raise RuntimeError("no timing round has run")
         return {
             "step_s": [statistics.median(s) if s else float("nan") for s in self.step_s],
             "ar_token_s": statistics.median(self.ar_s) if self.ar_s else float("nan"),
+            "step_over_phase": [statistics.median(r) if r else float("nan") for r in self.step_ratio],
+            "ar_token_over_phase": statistics.median(self.ar_ratio) if self.ar_ratio else float("nan"),
             "prefill_s": statistics.median(self.prefill_s),
             "prompt_tokens": statistics.median(self.prompt_tokens),
             "pruned": self.pruned,
@@ -135,7 +160,8 @@ def measure_and_check(
             costs = [so_far.predict(t, ref_context)["step_ms"] / 1000 for t in trees]
             skip = prune_by_cost(tokens_per_step, costs, early_margin(prune_margin)) if prune_margin is not None else {}
             state["timer"] = TreeTimer(decoder, rows, new_tokens=new_tokens, skip=skip, sampler=sampler,
-                                       now=step_clock(clock_kind, decoder.model.device))
+                                       now=step_clock(clock_kind, decoder.model.device),
+                                       phase_context=len(rows[0]["input_ids"]))
             state["pruned_with"] = i + 1
         for _ in range(after.count(i)):
             state["timer"].round(progress)

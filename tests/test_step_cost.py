@@ -5,15 +5,17 @@ deterministic and follows the model (not the noisy timed decodes beside it)."""
 from __future__ import annotations
 
 import json
+import math
 import random
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.step_cost import (StepCostModel, chains_tree, fit_fixed, level_widths, measure_step_cost, nondecreasing,
-                                paired_medians, step_clock)
+from pipeline.step_cost import (StepCostModel, chains_tree, fill_cache, fit_fixed, level_widths, measure_step_cost,
+                                nondecreasing, paired_medians, phase_corrected, phase_probe, step_clock, time_forward)
 from pipeline.timing import early_margin, prune_by_cost
 from runtime.tree import Tree
 
@@ -187,6 +189,7 @@ def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest f
     n = heads.config.num_heads
     assert cm.verify_rows == [1, 3, 9] and cm.verify_contexts == [20, 40] and len(cm.draft_ms) == n + 1
     assert cm.clock == "cpu" and cm.threads == 1 and len(cm.fixed_points) == 5
+    assert cm.phase_ms > 0 and cm.phase_context == len(prompt)
     assert all(v > 0 for r in cm.verify_ms for v in r)
     assert all(v > 0 for r in cm.draft_ms[1:] for v in r)
     # more rows, a longer context, a deeper or wider draft never cost less in the model
@@ -266,9 +269,11 @@ def test_time_stage_writes_modeled_components_and_the_check(bundle, tmp_path: Pa
         assert t["step_ms"] == pytest.approx(model.predict(Tree(t["paths"]), ref)["step_ms"])
         if "pruned" not in t:
             checked += 1
-            assert t["measured_step_ms"] > 0
-            assert t["model_error_pct"] == pytest.approx(
+            assert t["measured_step_ms"] > 0 and t["phase_corrected_step_ms"] > 0
+            assert t["raw_model_error_pct"] == pytest.approx(
                 100 * (t["modeled_step_ms_at_check"] - t["measured_step_ms"]) / t["measured_step_ms"])
+            assert t["model_error_pct"] == pytest.approx(
+                100 * (t["modeled_step_ms_at_check"] - t["phase_corrected_step_ms"]) / t["phase_corrected_step_ms"])
     assert checked >= 1
     # the 2 check rounds ran between the model's 2 probe rounds (after the 1st) and after the last
     assert timing["cost_model"]["check_rounds_after_probe_rounds"] == [1, 2]
@@ -297,3 +302,23 @@ def test_paired_medians_cancel_the_phases_that_slow_a_whole_pass() -> None:
     assert worst_paired < 0.025 and 1.5 * worst_paired < worst_plain
     with pytest.raises(ValueError, match="same number of samples"):
         paired_medians({**samples, (300, 1): [1.0]}, (100, 1))
+
+
+def test_phase_probe_leaves_the_cache_and_corrects_a_check_to_the_models_speed(bundle) -> None:  # noqa: ANN001
+    from runtime.model import load_model
+
+    model = load_model(bundle.model_dir, max_seq_len=64)
+    gen = torch.Generator().manual_seed(0)
+    fill_cache(model, 20, gen)
+    assert model.cache_len == 20
+    assert phase_probe(model, 12, gen, time.perf_counter) > 0 and model.cache_len == 12
+    with pytest.raises(ValueError, match="holds 12"):
+        time_forward(model, 30, 1, gen, time.perf_counter)
+    # a check decode that ran at 1.5 probes per step stands for 1.5 x the model's median probe
+    cm = _synthetic_model()
+    cm.phase_ms = 30.0
+    timed = {"step_over_phase": [1.5, float("nan")]}
+    assert phase_corrected(timed, 0, cm) == pytest.approx(45.0)
+    assert math.isnan(phase_corrected(timed, 1, cm))
+    cm.phase_ms = 0.0  # a model without phase probes: nothing to correct with
+    assert math.isnan(phase_corrected(timed, 0, cm))

@@ -25,22 +25,11 @@ import torch
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
+from pipeline.step_cost import fill_cache
 from runtime.device import synchronize
 from runtime.model import Transformer, load_model
 
 WARMUP = 2
-
-
-def _fill_cache(model: Transformer, length: int, seed: int = 0) -> None:
-    """Make the committed cache exactly `length` positions of random tokens (extending it if it is shorter)."""
-    if model.cache_len > length:
-        model.truncate_cache(length)
-    gen = torch.Generator().manual_seed(seed + model.cache_len)
-    while model.cache_len < length:
-        start = model.cache_len
-        n = min(256, length - start)  # chunks bound the prefill's activation memory
-        ids = torch.randint(0, model.args.vocab_size, (1, n), generator=gen).to(model.device)
-        model(ids, torch.arange(start, start + n, device=model.device), last_only=True)
 
 
 def _check(models: dict[str, Transformer], sizes: Sequence[int], contexts: Sequence[int], repeats: int) -> None:
@@ -71,7 +60,7 @@ def measure_cost_curves(models: dict[str, Transformer], sizes: Sequence[int], co
     gen = torch.Generator().manual_seed(1)
     for ctx in sorted(contexts):
         for m in models.values():
-            _fill_cache(m, ctx)
+            fill_cache(m, ctx, torch.Generator().manual_seed(ctx))
         for rep in range(WARMUP + repeats):
             for name, m in models.items():
                 for n in sizes:

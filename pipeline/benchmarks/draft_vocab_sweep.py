@@ -136,11 +136,11 @@ def quality_rows(model: Transformer, kind: str, full: DraftHeads, ranking: np.nd
 def timing_rows(model: Transformer, variants: dict[tuple[str, int, str], DraftHeads], h: torch.Tensor,
                 context: int, repeats: int) -> list[dict[str, Any]]:
     """Interleaved medians: heads.propose on chains of depth 1..D per variant, one-token forwards."""
-    from pipeline.benchmarks.cost_curve import _fill_cache
+    from pipeline.step_cost import fill_cache
 
     chains = {d: TreeBuffers.compile(Tree.chain(d)) for d in range(1, 5)}
     samples: dict[Any, list[float]] = {}
-    _fill_cache(model, context)
+    fill_cache(model, context, torch.Generator().manual_seed(context))
     token = torch.tensor([[17]])
     pos = torch.tensor([context])
 
