@@ -18,7 +18,8 @@ the load of a shared machine hits them alike. A shared machine also runs whole s
 slower (identical one-row forwards of an AMD EPYC VM ranged 27-37 ms in 2-second windows), so each
 draft and fixed measurement is taken as a ratio to a *phase probe* timed right after it (the median
 of `PHASE_FORWARDS` one-row forwards) and scaled back by the run's median probe; the verify grid
-is paired the same way within each pass (`paired_medians`). The timed decodes that check the model
+is paired within each pass to its one-row cell, the probe's own forward (`paired_medians`), and
+scaled by the same median, so that every part of the model stands at one speed. The timed decodes that check the model
 are probed alike (`pipeline.timing.TreeTimer`), so the check compares what the model claims, a
 step's cost at the run's median speed, with a decode brought to that speed. The model is what the time stage, pruning, bank
 selection and policy fitting use, so every candidate tree has a cost without decoding it; timed
@@ -211,16 +212,16 @@ class StepCostModel:
         return cls.from_dict(d)
 
 
-def paired_medians(samples: dict[Any, list[float]], ref: Any) -> dict[Any, float]:
-    """Per cell, a median of its samples where sample j of every cell comes from pass j: the
-    reference cell's median times the median of the cell's ratio to the reference sample of the
-    same pass. A speed phase of a shared machine slows one pass's forwards alike, so it cancels in
-    the ratios, and the differences between row counts (what decides between trees) keep only the
-    noise within a pass; with plain medians each cell kept its own share of the phases."""
+def paired_medians(samples: dict[Any, list[float]], ref: Any, level: float | None = None) -> dict[Any, float]:
+    """Per cell, a median of its samples where sample j of every cell comes from pass j: `level`
+    (default: the reference cell's median) times the median of the cell's ratio to the reference
+    sample of the same pass. A speed phase of a shared machine slows one pass's forwards alike, so
+    it cancels in the ratios, and the differences between row counts (what decides between trees)
+    keep only the noise within a pass; with plain medians each cell kept its own share of the phases."""
     base = samples[ref]
     if not base or any(len(xs) != len(base) for xs in samples.values()):
         raise ValueError("paired_medians needs the same number of samples (one per pass) in every cell")
-    level = statistics.median(base)
+    level = statistics.median(base) if level is None else level
     return {key: level * statistics.median([x / b for x, b in zip(xs, base)]) for key, xs in samples.items()}
 
 
@@ -361,8 +362,9 @@ def measure_step_cost(
     `VERIFY_PASSES` passes over the verify grid between and after them (contexts in increasing
     order, the cache filled with random tokens and truncated back after each forward; each cell's
     figure is a `paired_medians` over the passes), then the draft probes (`propose` of every
-    chains_tree). A `phase_probe` follows every probe decode and precedes the draft probes; their
-    figures are medians of ratios to it, times the median probe (`StepCostModel.phase_ms`).
+    chains_tree). A `phase_probe` at the first context follows every probe decode and precedes the
+    draft probes; their figures are medians of ratios to it, and the verify cells medians of ratios
+    to the one-row cell of their pass, all times the median probe (`StepCostModel.phase_ms`).
     `clock_kind`: see `step_clock`."""
     model, heads = decoder.model, decoder.heads
     dev = model.device
@@ -389,10 +391,13 @@ def measure_step_cost(
     def verify_once(ctx: int, n: int) -> float:
         return time_forward(model, ctx, n, gen, now)
 
-    p_ctx = len(prompt)  # phase probes run after the prompt, which every probe decode leaves in the cache
+    # phase probes run at the verify grid's first context, so that its one-row cell (the reference
+    # of its passes) is the probe itself and the whole model stands at one level
+    p_ctx = contexts[0]
     phase_s: list[float] = []
 
     def probed() -> float:
+        fill_cache(model, p_ctx, gen)
         phase_s.append(phase_probe(model, p_ctx, gen, now))
         return phase_s[-1]
 
@@ -406,8 +411,8 @@ def measure_step_cost(
     for buf in draft_trees.values():
         heads.propose(h, root, buf)
     def so_far(rounds: int) -> StepCostModel:
-        verify_med = paired_medians(verify_s, (contexts[0], 1))
         level = statistics.median(phase_s)
+        verify_med = paired_medians(verify_s, (contexts[0], 1), level)
         fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * level * statistics.median(r)}
                         for t, r in zip(probe_trees, rest_s)]
         # medians, made non-decreasing in rows and context (verify) and in depth and width (draft)

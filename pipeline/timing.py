@@ -161,7 +161,7 @@ def measure_and_check(
             skip = prune_by_cost(tokens_per_step, costs, early_margin(prune_margin)) if prune_margin is not None else {}
             state["timer"] = TreeTimer(decoder, rows, new_tokens=new_tokens, skip=skip, sampler=sampler,
                                        now=step_clock(clock_kind, decoder.model.device),
-                                       phase_context=len(rows[0]["input_ids"]))
+                                       phase_context=so_far.phase_context)
             state["pruned_with"] = i + 1
         for _ in range(after.count(i)):
             state["timer"].round(progress)
