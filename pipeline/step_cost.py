@@ -12,6 +12,10 @@ A step is draft + verify + fixed (see runtime/decoder.py):
 * fixed: the rest of the step (accept, KV-cache compaction, the heads' observation of the
   accepted positions, the host transfer, Python), measured inside real decodes as the step time
   minus its draft and verify calls, and fitted as a + b * depth + c * nodes.
+* in situ: draft and verify measured alone run on caches warmed by their own repeats; inside a
+  decode each follows the other and runs slower (drafting after a verify forward re-reads the
+  heads from memory). The same probe decodes time their draft and verify calls, and the ratio of
+  those to the tables' figures for the same trees (`in_situ`) scales both parts of a prediction.
 
 Every figure is a median over many short repeats, with all probes of a round interleaved so that
 the load of a shared machine hits them alike. A shared machine also runs whole seconds faster or
@@ -122,6 +126,10 @@ class StepCostModel:
     # context it ran at; the model's figures are the machine at this speed
     phase_ms: float = 0.0
     phase_context: int = 0
+    # draft + verify inside the probe decodes over the tables' draft + verify of the same trees
+    # (median over the probe trees; `in_situ_points` per tree); scales both parts of `predict`
+    in_situ: float = 1.0
+    in_situ_points: list[dict[str, float]] = field(default_factory=list)
     repeats: int = 0
     clock: str = "wall"                  # what the figures count (`step_clock`)
     dtype: str = ""
@@ -154,6 +162,9 @@ class StepCostModel:
             raise ValueError(f"{what}: every timing must be a finite number")
         if self.phase_ms < 0 or self.phase_context < 0:
             raise ValueError(f"{what}: phase_ms and phase_context must be >= 0")
+        if not (isinstance(self.in_situ, (int, float)) and math.isfinite(self.in_situ) and self.in_situ > 0):
+            raise ValueError(f"{what}: in_situ must be a positive number (draft + verify inside decodes over the same "
+                             f"parts measured alone), got {self.in_situ}; rebuild the time stage (force=true)")
 
     # -- components ----------------------------------------------------------------------------
 
@@ -182,8 +193,9 @@ class StepCostModel:
         return a + b * depth + c * nodes
 
     def predict(self, tree: Tree, context: float) -> dict[str, float]:
-        """{draft_ms, verify_ms, fixed_ms, step_ms} of one step with `tree` at context length `context`."""
-        parts = {"draft_ms": self.draft(tree), "verify_ms": self.verify(tree.num_nodes, context),
+        """{draft_ms, verify_ms, fixed_ms, step_ms} of one step with `tree` at context length `context`
+        inside a decode: the tables' draft and verify times `in_situ`, plus the fixed part."""
+        parts = {"draft_ms": self.in_situ * self.draft(tree), "verify_ms": self.in_situ * self.verify(tree.num_nodes, context),
                  "fixed_ms": self.fixed(tree.depth, tree.num_nodes)}
         return {**parts, "step_ms": sum(parts.values())}
 
@@ -274,6 +286,10 @@ class _StepParts:
     def rest(self) -> list[float]:
         """Seconds of every step spent outside draft and verify."""
         return [(b[0] - a[0]) - (b[1] - a[1]) - (b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
+
+    def inside(self) -> list[float]:
+        """Seconds of every step spent in draft and verify."""
+        return [(b[1] - a[1]) + (b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
 
     def close(self) -> None:
         del self.heads.propose, self.model.forward
@@ -386,6 +402,7 @@ def measure_step_cost(
     verify_s: dict[tuple[int, int], list[float]] = {(c, n): [] for c in contexts for n in rows}
     draft_s: dict[tuple[int, int], list[float]] = {k: [] for k in draft_trees}  # / the round's draft phase probe
     rest_s: list[list[float]] = [[] for _ in probe_trees]   # each step's rest / the phase probe after its decode
+    inside_s: list[list[float]] = [[] for _ in probe_trees]  # each step's draft + verify / the same probe
     now = step_clock(clock_kind, dev)
 
     def verify_once(ctx: int, n: int) -> float:
@@ -416,7 +433,7 @@ def measure_step_cost(
         fixed_points = [{"depth": t.depth, "nodes": t.num_nodes, "ms": 1e3 * level * statistics.median(r)}
                         for t, r in zip(probe_trees, rest_s)]
         # medians, made non-decreasing in rows and context (verify) and in depth and width (draft)
-        return StepCostModel(
+        tables = StepCostModel(
             kind=kind, num_heads=n_heads, verify_rows=rows, verify_contexts=contexts,
             verify_ms=_monotone_table([[1e3 * verify_med[(c, n)] for n in rows] for c in contexts]),
             draft_widths=widths,
@@ -426,6 +443,14 @@ def measure_step_cost(
             fixed_points=fixed_points, repeats=rounds, dtype=dtype, threads=torch.get_num_threads(),
             machine=dict(machine or {}), clock=clock_kind, phase_ms=1e3 * level, phase_context=p_ctx,
         )
+        # the probe decodes' steps sit, on average, halfway through their new tokens
+        mid = len(prompt) + fixed_tokens / 2
+        tables.in_situ_points = [
+            {"depth": t.depth, "nodes": t.num_nodes, "inside_ms": 1e3 * level * statistics.median(r),
+             "tables_ms": tables.draft(t) + tables.verify(t.num_nodes, mid)} for t, r in zip(probe_trees, inside_s)]
+        tables.in_situ = statistics.median(q["inside_ms"] / q["tables_ms"] for q in tables.in_situ_points)
+        tables.validate()
+        return tables
 
     # the verify grid runs VERIFY_PASSES times per round, between the probe decodes: a pass takes
     # under a second, and the shared machine's speed moves for seconds at a time, so one pass per
@@ -440,9 +465,10 @@ def measure_step_cost(
                 probe.generate(prompt, fixed_tokens, choose=k, eos_ids=(), stream=parts.mark, sampler=sampler)
             finally:
                 parts.close()
-            rest = parts.rest()
+            rest, inside = parts.rest(), parts.inside()
             p = probed()
             rest_s[k].extend(r / p for r in rest[PROBE_WARMUP_STEPS:] or rest)
+            inside_s[k].extend(r / p for r in inside[PROBE_WARMUP_STEPS:] or inside)
             done += 1
             if k not in after_probe:
                 continue

@@ -190,6 +190,7 @@ def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest f
     assert cm.verify_rows == [1, 3, 9] and cm.verify_contexts == [20, 40] and len(cm.draft_ms) == n + 1
     assert cm.clock == "cpu" and cm.threads == 1 and len(cm.fixed_points) == 5
     assert cm.phase_ms > 0 and cm.phase_context == 20  # the first context: its one-row verify cell is the probe
+    assert cm.in_situ > 0 and len(cm.in_situ_points) == 5
     assert all(v > 0 for r in cm.verify_ms for v in r)
     assert all(v > 0 for r in cm.draft_ms[1:] for v in r)
     # more rows, a longer context, a deeper or wider draft never cost less in the model
@@ -322,3 +323,17 @@ def test_phase_probe_leaves_the_cache_and_corrects_a_check_to_the_models_speed(b
     assert math.isnan(phase_corrected(timed, 1, cm))
     cm.phase_ms = 0.0  # a model without phase probes: nothing to correct with
     assert math.isnan(phase_corrected(timed, 0, cm))
+
+
+def test_in_situ_scales_draft_and_verify_but_not_the_fixed_part() -> None:
+    tree = Tree([(0,), (1,), (0, 0)])
+    alone = _synthetic_model()
+    inside = _synthetic_model()
+    inside.in_situ = 1.25
+    a, b = alone.predict(tree, 120), inside.predict(tree, 120)
+    assert b["draft_ms"] == pytest.approx(1.25 * a["draft_ms"]) and b["verify_ms"] == pytest.approx(1.25 * a["verify_ms"])
+    assert b["fixed_ms"] == a["fixed_ms"]
+    assert b["step_ms"] == pytest.approx(b["draft_ms"] + b["verify_ms"] + b["fixed_ms"])
+    inside.in_situ = 0.0
+    with pytest.raises(ValueError, match="in_situ"):
+        inside.validate()
