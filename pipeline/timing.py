@@ -61,11 +61,10 @@ class TreeTimer:
         self.rounds = 0
 
     def _probe(self) -> float:
-        """A phase probe at `phase_context` (the cache cut back or filled up to it), or NaN without one."""
+        """A phase probe at `phase_context` (the cache cut back or filled up to it)."""
         from pipeline.step_cost import fill_cache, phase_probe
 
-        if self.phase_context is None:
-            return float("nan")
+        assert self.phase_context is not None
         model = self.decoder.model
         fill_cache(model, self.phase_context, self._gen)
         return phase_probe(model, self.phase_context, self._gen, self.now)
@@ -84,7 +83,7 @@ class TreeTimer:
             t0 = now()
             out = ar_generate(dec.model, row["input_ids"], self.new_tokens // 2, sampler=sampler)
             ar_total = now() - t0
-            ar_probe = self._probe()
+            ar_probe = self._probe() if self.phase_context is not None else None
             if progress:
                 progress()
             for k in self.timed:
@@ -93,8 +92,9 @@ class TreeTimer:
                              stream=lambda _tokens: marks.append(now()))
                 steps = [b - a for a, b in zip(marks[1:], marks[2:])]
                 self.step_s[k].extend(steps[self.warmup_steps:] or steps)
-                p = self._probe()
-                self.step_ratio[k].extend(x / p for x in steps[self.warmup_steps:] or steps)
+                if self.phase_context is not None:
+                    p = self._probe()
+                    self.step_ratio[k].extend(x / p for x in steps[self.warmup_steps:] or steps)
                 self.prefill_s.append(marks[1] - marks[0])
                 self.prompt_tokens.append(len(row["input_ids"]))
                 if progress:
@@ -103,7 +103,8 @@ class TreeTimer:
             pre = statistics.median(self.prefill_s[-len(self.timed):])
             if len(out) > 1:
                 self.ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
-                self.ar_ratio.append(self.ar_s[-1] / ar_probe)
+                if ar_probe is not None:
+                    self.ar_ratio.append(self.ar_s[-1] / ar_probe)
         self.rounds += 1
 
     def result(self) -> dict[str, Any]:

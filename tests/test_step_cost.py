@@ -337,3 +337,23 @@ def test_in_situ_scales_draft_and_verify_but_not_the_fixed_part() -> None:
     inside.in_situ = 0.0
     with pytest.raises(ValueError, match="in_situ"):
         inside.validate()
+
+
+def test_tree_timer_gives_ratios_to_its_phase_probes_only_when_asked(bundle) -> None:  # noqa: ANN001
+    from pipeline.timing import TreeTimer
+    from runtime.heads import load_heads
+    from runtime.decoder import TreeDecoder
+    from runtime.model import load_model
+    from runtime.tree import TreeBuffers
+
+    model = load_model(bundle.model_dir, max_seq_len=128)
+    heads = load_heads(bundle.heads_dir, model=model)
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(Tree([])), TreeBuffers.compile(Tree([(0,), (0, 0)]))])
+    rows = [{"input_ids": list(range(5, 25))}]
+    plain_timer, probed_timer = TreeTimer(dec, rows, new_tokens=8), TreeTimer(dec, rows, new_tokens=8, phase_context=20)
+    for timer in (plain_timer, probed_timer):
+        timer.round()
+    plain, probed = plain_timer.result(), probed_timer.result()
+    assert all(math.isnan(r) for r in plain["step_over_phase"]) and math.isnan(plain["ar_token_over_phase"])
+    assert all(r > 0 for r in probed["step_over_phase"]) and probed["ar_token_over_phase"] > 0
+    assert all(s > 0 for s in plain["step_s"] + probed["step_s"])
