@@ -13,9 +13,10 @@ A step is draft + verify + fixed (see runtime/decoder.py):
   accepted positions, the host transfer, Python), measured inside real decodes as the step time
   minus its draft and verify calls, and fitted as a + b * depth + c * nodes.
 * in situ: draft and verify measured alone run on caches warmed by their own repeats; inside a
-  decode each follows the other and runs slower (drafting after a verify forward re-reads the
+  decode each follows the other and may run slower (a draft after a verify forward re-reads the
   heads from memory). The same probe decodes time their draft and verify calls, and the ratio of
-  those to the tables' figures for the same trees (`in_situ`) scales both parts of a prediction.
+  those to the tables' figures for the same trees (`in_situ`) scales both parts of a prediction
+  (0.96-1.04 on a 2-core AMD EPYC: there the difference is within the noise).
 
 Every figure is a median over many short repeats, with all probes of a round interleaved so that
 the load of a shared machine hits them alike. A shared machine also runs whole seconds faster or
@@ -23,11 +24,12 @@ slower (identical one-row forwards of an AMD EPYC VM ranged 27-37 ms in 2-second
 draft and fixed measurement is taken as a ratio to a *phase probe* timed right after it (the median
 of `PHASE_FORWARDS` one-row forwards) and scaled back by the run's median probe; the verify grid
 is paired within each pass to its one-row cell, the probe's own forward (`paired_medians`), and
-scaled by the same median, so that every part of the model stands at one speed. The timed decodes that check the model
-are probed alike (`pipeline.timing.TreeTimer`), so the check compares what the model claims, a
-step's cost at the run's median speed, with a decode brought to that speed. The model is what the time stage, pruning, bank
-selection and policy fitting use, so every candidate tree has a cost without decoding it; timed
-decodes of a few trees check it (`check_errors`).
+scaled by the same median, so that every part of the model stands at one speed. The timed decodes
+that check the model are probed alike (`pipeline.timing.TreeTimer`), so the check compares what
+the model claims, a step's cost at the run's median speed, with a decode brought to that speed.
+The model is what the time stage, pruning, bank selection and policy fitting use, so every
+candidate tree has a cost without decoding it; timed decodes of a few trees check it
+(`tree_entries`).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from runtime.tree import Tree, TreeBuffers
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 2  # 2: draft and fixed figures scaled by phase probes (phase_ms)
+SCHEMA = 2  # 2: every figure scaled by phase probes (phase_ms), draft and verify by in_situ
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
 FIXED_WIDTH = 8                   # chains of the wide probe that separates a node cost from a depth cost
 PROBE_WARMUP_STEPS = 2            # first steps of every probe decode are not used (allocator, caches)
@@ -122,7 +124,7 @@ class StepCostModel:
     draft_ms: list[list[float]]
     fixed_coef: list[float]              # fixed ms = a + b * depth + c * nodes
     fixed_points: list[dict[str, float]] = field(default_factory=list)  # the probe medians the fit came from
-    # median phase probe (ms): the one-row forward the draft and fixed figures are scaled to, and the
+    # median phase probe (ms): the one-row forward every figure is scaled to, and the
     # context it ran at; the model's figures are the machine at this speed
     phase_ms: float = 0.0
     phase_context: int = 0
@@ -195,7 +197,8 @@ class StepCostModel:
     def predict(self, tree: Tree, context: float) -> dict[str, float]:
         """{draft_ms, verify_ms, fixed_ms, step_ms} of one step with `tree` at context length `context`
         inside a decode: the tables' draft and verify times `in_situ`, plus the fixed part."""
-        parts = {"draft_ms": self.in_situ * self.draft(tree), "verify_ms": self.in_situ * self.verify(tree.num_nodes, context),
+        parts = {"draft_ms": self.in_situ * self.draft(tree),
+                 "verify_ms": self.in_situ * self.verify(tree.num_nodes, context),
                  "fixed_ms": self.fixed(tree.depth, tree.num_nodes)}
         return {**parts, "step_ms": sum(parts.values())}
 
