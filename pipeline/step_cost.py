@@ -262,10 +262,10 @@ def fit_fixed(points: Sequence[tuple[int, int, float]]) -> list[float]:
 # -- measuring ---------------------------------------------------------------------------------
 
 
-class _StepParts:
+class StepParts:
     """Times, inside real decodes, each step and its `propose` (draft) and base-model forward
-    (verify) calls. Wrappers are instance attributes over the bound methods, removed by `close`;
-    the prefill's forward falls before the first mark."""
+    (verify) calls: pass `mark` as the decoder's stream callback. Wrappers are instance attributes
+    over the bound methods, removed by `close`; the prefill's forward falls before the first mark."""
 
     def __init__(self, model: Transformer, heads: DraftHeads, now: Callable[[], float]) -> None:
         self.model, self.heads, self.now = model, heads, now
@@ -286,13 +286,17 @@ class _StepParts:
         """The decoder's stream callback: called after the prefill and after every step."""
         self.marks.append((self.now(), self.spent["draft"], self.spent["verify"]))
 
+    def steps(self) -> list[tuple[float, float, float]]:
+        """(step, draft, verify) seconds of every step."""
+        return [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
+
     def rest(self) -> list[float]:
         """Seconds of every step spent outside draft and verify."""
-        return [(b[0] - a[0]) - (b[1] - a[1]) - (b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
+        return [step - draft - verify for step, draft, verify in self.steps()]
 
     def inside(self) -> list[float]:
         """Seconds of every step spent in draft and verify."""
-        return [(b[1] - a[1]) + (b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
+        return [draft + verify for _, draft, verify in self.steps()]
 
     def close(self) -> None:
         del self.heads.propose, self.model.forward
@@ -463,7 +467,7 @@ def measure_step_cost(
     done = 0
     for i in range(repeats):
         for k in range(len(probe_trees)):
-            parts = _StepParts(model, heads, now)
+            parts = StepParts(model, heads, now)
             try:
                 probe.generate(prompt, fixed_tokens, choose=k, eos_ids=(), stream=parts.mark, sampler=sampler)
             finally:

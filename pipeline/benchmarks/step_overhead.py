@@ -35,6 +35,7 @@ import torch
 from pipeline.artifacts import atomic_write_json, machine_info
 from pipeline.paths import Layout, default_model_name
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, task_prompts, write_csv
+from pipeline.step_cost import StepParts
 from runtime.decoder import TreeDecoder
 from runtime.device import clock
 from runtime.generate import ar_generate
@@ -74,38 +75,6 @@ def _one_token_forward(model: Transformer, context: list[int], reps: int, now: C
     return times[1:]
 
 
-class _StepClock:
-    """Times, inside real decodes, each step and the two calls every step makes once: the heads'
-    `propose` (draft) and the base model's forward (verify). The wrappers are instance attributes
-    over the bound methods, removed by `close`; the prefill's forward falls before the first mark."""
-
-    def __init__(self, model: Transformer, heads: DraftHeads, now: Callable[[], float]) -> None:
-        self.model, self.heads, self.now = model, heads, now
-        self.spent = {"draft": 0.0, "verify": 0.0}
-        self.marks: list[tuple[float, float, float]] = []
-        heads.propose = self._timed(heads.propose, "draft")
-        model.forward = self._timed(model.forward, "verify")
-
-    def _timed(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = self.now()
-            out = fn(*args, **kwargs)
-            self.spent[key] += self.now() - t0
-            return out
-        return run
-
-    def mark(self, _tokens: list[int]) -> None:
-        """The decoder's stream callback: called after the prefill and after every step."""
-        self.marks.append((self.now(), self.spent["draft"], self.spent["verify"]))
-
-    def steps(self) -> list[tuple[float, float, float]]:
-        """(step, draft, verify) seconds of every step."""
-        return [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(self.marks, self.marks[1:])]
-
-    def close(self) -> None:
-        del self.heads.propose, self.model.forward
-
-
 def measure(model: Transformer, heads: DraftHeads, prompt: list[int], sizes: list[int], rounds: int,
             new_tokens: int, reps: int, cpu_clock: bool = False) -> list[dict[str, Any]]:
     """One row per tree size with the medians (ms) described in the module docstring."""
@@ -120,7 +89,7 @@ def measure(model: Transformer, heads: DraftHeads, prompt: list[int], sizes: lis
         decoders[n].generate(prompt, 8, choose=0, eos_ids=())
     for _ in range(rounds):
         for n in sizes:
-            timer = _StepClock(model, heads, now)
+            timer = StepParts(model, heads, now)
             try:
                 decoders[n].generate(prompt, new_tokens, choose=0, eos_ids=(), stream=timer.mark)
             finally:
