@@ -80,9 +80,10 @@ class TreeTimer:
             dec.generate(self.rows[0]["input_ids"], 8, choose=self.timed[0], sampler=sampler)
             ar_generate(dec.model, self.rows[0]["input_ids"], 4, sampler=sampler)
         for row in self.rows:
-            t0 = now()
-            out = ar_generate(dec.model, row["input_ids"], self.new_tokens // 2, sampler=sampler)
-            ar_total = now() - t0
+            # AR per-token latency from its own stream: first token (the prefill's) to the last
+            ar_marks: list[float] = []
+            out = ar_generate(dec.model, row["input_ids"], self.new_tokens // 2, sampler=sampler,
+                              stream=lambda _token: ar_marks.append(now()))
             ar_probe = self._probe() if self.phase_context is not None else None
             if progress:
                 progress()
@@ -99,10 +100,8 @@ class TreeTimer:
                 self.prompt_tokens.append(len(row["input_ids"]))
                 if progress:
                     progress()
-            # AR per-token latency: total minus this prompt's prefill, over the decoded tokens
-            pre = statistics.median(self.prefill_s[-len(self.timed):])
             if len(out) > 1:
-                self.ar_s.append(max(ar_total - pre, 1e-9) / (len(out) - 1))
+                self.ar_s.append(max(ar_marks[-1] - ar_marks[0], 1e-9) / (len(out) - 1))
                 if ar_probe is not None:
                     self.ar_ratio.append(self.ar_s[-1] / ar_probe)
         self.rounds += 1
