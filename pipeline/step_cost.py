@@ -16,7 +16,7 @@ A step is draft + verify + fixed (see runtime/decoder.py):
   decode each follows the other and may run slower (a draft after a verify forward re-reads the
   heads from memory). The same probe decodes time their draft and verify calls, and the ratio of
   those to the tables' figures for the same trees (`in_situ`) scales both parts of a prediction
-  (0.96-1.04 on a 2-core AMD EPYC: there the difference is within the noise).
+  (0.93-1.04 on a 2-core AMD EPYC: there the difference is within the noise).
 
 Every figure is a median over many short repeats, with all probes of a round interleaved so that
 the load of a shared machine hits them alike. A shared machine also runs whole seconds faster or
