@@ -412,9 +412,6 @@ def measure_step_cost(
     inside_s: list[list[float]] = [[] for _ in probe_trees]  # each step's draft + verify / the same probe
     now = step_clock(clock_kind, dev)
 
-    def verify_once(ctx: int, n: int) -> float:
-        return time_forward(model, ctx, n, gen, now)
-
     # phase probes run at the verify grid's first context, so that its one-row cell (the reference
     # of its passes) is the probe itself and the whole model stands at one level
     p_ctx = contexts[0]
@@ -430,7 +427,7 @@ def measure_step_cost(
         probe.generate(prompt, 6, choose=k, eos_ids=(), sampler=sampler)
     fill_cache(model, contexts[0], gen)
     for n in rows:
-        verify_once(contexts[0], n)
+        time_forward(model, contexts[0], n, gen, now)
     h, root = _context_vector(model, heads, prompt)
     for buf in draft_trees.values():
         heads.propose(h, root, buf)
@@ -483,7 +480,7 @@ def measure_step_cost(
             for ctx in contexts:
                 fill_cache(model, ctx, gen)
                 for n in rows:
-                    verify_s[(ctx, n)].append(verify_once(ctx, n))
+                    verify_s[(ctx, n)].append(time_forward(model, ctx, n, gen, now))
                     done += 1
         h, root = _context_vector(model, heads, prompt)
         p = probed()

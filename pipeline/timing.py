@@ -92,10 +92,11 @@ class TreeTimer:
                 dec.generate(row["input_ids"], self.new_tokens, choose=k, sampler=sampler,
                              stream=lambda _tokens: marks.append(now()))
                 steps = [b - a for a, b in zip(marks[1:], marks[2:])]
-                self.step_s[k].extend(steps[self.warmup_steps:] or steps)
+                kept = steps[self.warmup_steps:] or steps
+                self.step_s[k].extend(kept)
                 if self.phase_context is not None:
                     p = self._probe()
-                    self.step_ratio[k].extend(x / p for x in steps[self.warmup_steps:] or steps)
+                    self.step_ratio[k].extend(x / p for x in kept)
                 self.prefill_s.append(marks[1] - marks[0])
                 self.prompt_tokens.append(len(row["input_ids"]))
                 if progress:

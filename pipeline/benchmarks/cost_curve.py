@@ -25,8 +25,8 @@ import torch
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
-from pipeline.step_cost import fill_cache
-from runtime.device import synchronize
+from pipeline.step_cost import fill_cache, time_forward
+from runtime.device import clock
 from runtime.model import Transformer, load_model
 
 WARMUP = 2
@@ -46,10 +46,6 @@ def _check(models: dict[str, Transformer], sizes: Sequence[int], contexts: Seque
                              f"size needs {need}: load it with max_seq_len >= {need}")
 
 
-def _sync(model: Transformer) -> None:
-    synchronize(model.device)
-
-
 @torch.inference_mode()
 def measure_cost_curves(models: dict[str, Transformer], sizes: Sequence[int], contexts: Sequence[int],
                         repeats: int) -> list[dict[str, Any]]:
@@ -64,17 +60,9 @@ def measure_cost_curves(models: dict[str, Transformer], sizes: Sequence[int], co
         for rep in range(WARMUP + repeats):
             for name, m in models.items():
                 for n in sizes:
-                    ids = torch.randint(0, m.args.vocab_size, (1, n), generator=gen).to(m.device)
-                    pos = torch.arange(ctx, ctx + n, device=m.device)
-                    # causal over the new tokens (a tree mask costs the same); passed explicitly, as a
-                    # verify passes its mask, so that a row-invariant model times its verify path
-                    mask = torch.ones(n, n, dtype=torch.bool, device=m.device).tril_()
-                    _sync(m)
-                    t0 = time.perf_counter()
-                    m(ids, pos, mask, check_mask=False)
-                    _sync(m)
-                    dt = time.perf_counter() - t0
-                    m.truncate_cache(ctx)
+                    # causal over the new tokens (a tree mask costs the same), passed as a verify
+                    # passes its mask, so that a row-invariant model times its verify path
+                    dt = time_forward(m, ctx, n, gen, lambda: clock(m.device))
                     if rep >= WARMUP:
                         times.setdefault((name, ctx, n), []).append(dt)
     rows = []
