@@ -105,11 +105,15 @@ def test_a_disabled_kernel_says_why_and_linear_falls_back(monkeypatch: pytest.Mo
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_attention_matches_softmax_and_ignores_row_count_and_key_placement() -> None:
+# (head dim, committed slots): the kernel scores 8 keys per pass and keeps 64 output lanes in
+# registers, with scalar tails for what is left (a head dim not a multiple of 8, a list of < 8 keys)
+@pytest.mark.parametrize("dim,prefix", [(24, 13), (64, 29), (60, 21), (128, 37)])
+def test_attention_matches_softmax_and_ignores_row_count_and_key_placement(dim: int, prefix: int) -> None:
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim, slots_total, prefix = 6, 2, 24, 40, 13
+    heads, kv_heads, slots_total = 6, 2, prefix + 27
     k, v = torch.randn(kv_heads, slots_total, dim, generator=g), torch.randn(kv_heads, slots_total, dim, generator=g)
-    lists = [[13], [13, 14], [13, 15], [13, 14, 16]]  # a small tree after 13 committed slots
+    tree = [[0], [0, 1], [0, 2], [0, 1, 3]]  # a small tree after the committed slots
+    lists = [[prefix + j for j in a] for a in tree]
     offsets = torch.tensor([0] + [len(a) for a in lists]).cumsum(0)
     slots = torch.tensor([j for a in lists for j in a])
     q = torch.randn(len(lists), heads, dim, generator=g)
@@ -124,6 +128,7 @@ def test_attention_matches_softmax_and_ignores_row_count_and_key_placement() -> 
     alone = small_rows.attention(q[3:], k, v, prefix, torch.tensor([0, 3]), slots[offsets[3]:], 3, dim ** -0.5)
     assert torch.equal(alone[0], out[3])
     k2, v2 = k.clone(), v.clone()
-    k2[:, 30:33], v2[:, 30:33] = k[:, [13, 14, 16]], v[:, [13, 14, 16]]
-    moved = small_rows.attention(q[3:], k2, v2, prefix, torch.tensor([0, 3]), torch.tensor([30, 31, 32]), 3, dim ** -0.5)
+    moved_to = [slots_total - 3, slots_total - 2, slots_total - 1]
+    k2[:, moved_to], v2[:, moved_to] = k[:, lists[3]], v[:, lists[3]]
+    moved = small_rows.attention(q[3:], k2, v2, prefix, torch.tensor([0, 3]), torch.tensor(moved_to), 3, dim ** -0.5)
     assert torch.equal(moved[0], out[3])

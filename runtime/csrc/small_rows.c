@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define PANEL 16
 
@@ -230,36 +231,91 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return s;
 }
 
+/* The scores of one query against 8 keys at once, each summed exactly as dot() sums it (8 lanes
+ * of multiply-adds over d in order, then hsum8's pairing), so the result is bit-identical to 8 calls
+ * of dot(). Why: one dot() is a chain of D/8 dependent multiply-adds plus a horizontal sum, so a
+ * key costs the chain's latency (~50 cycles at D = 64); 8 independent chains keep both FMA units busy
+ * and the 8 horizontal sums share their shuffles. Needs D a multiple of 8. */
+static inline __m256 dot8(const float *qv, const float *const key[8], int64_t D) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 x = _mm256_loadu_ps(qv + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(key[i] + d), a[i]);
+    }
+    /* hsum8 of every a[i]: first lo + hi of each (two vectors per register: i and i + 4) ... */
+    __m256 y[4];
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+    /* ... then lanes (0 + 2, 1 + 3) of each 4-lane half ... */
+    __m256 e = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(y[0]), _mm256_castps_pd(y[1]))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(y[0]), _mm256_castps_pd(y[1]))));
+    __m256 f = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(y[2]), _mm256_castps_pd(y[3]))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(y[2]), _mm256_castps_pd(y[3]))));
+    /* ... and the last two: the sums come out in key order 0..7 */
+    return _mm256_add_ps(_mm256_shuffle_ps(e, f, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(e, f, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* out[0..n*8) = sum over j of p[j] * vals[j][0..n*8), each lane a chain of multiply-adds in j order
+ * from 0 (as a loop over j with the output in memory would sum it), but n <= 8 accumulators stay in
+ * registers: no store-to-load round trip per key. */
+static inline void weighted_sum(const float *p, const float *const *vals, int64_t L, int64_t d0, int n, float *out) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        __m256 w = _mm256_set1_ps(p[j]);
+        const float *vv = vals[j] + d0;
+        for (int i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < n; i++) _mm256_storeu_ps(out + d0 + 8 * i, acc[i]);
+}
+
 /* Softmax attention of R query rows, each over its own list of key slots: cache slots
  * 0..prefix-1, then slots[offsets[r] .. offsets[r+1]) (a tree token's ancestors, itself last).
  * q, out [R, H, D]; k, v: one layer's cache [KVH, S, D]; query head h reads KV head h / (H/KVH).
  * A row's result depends only on its query and its keys in that order, never on R or on where
  * the keys sit in the cache: AR (one row over contiguous slots) and a tree verify compute it alike.
+ * Every sum runs in a fixed order per (row, head): scores as dot() (8 keys per pass, see dot8),
+ * softmax's total in 8 lanes then hsum8, the output per lane in key order.
+ * The (row, head) pairs are taken KV head by KV head, so the threads that share a KV head's keys
+ * and values read them while they are in cache.
  * scores: caller's scratch, R * H * (prefix + longest list) floats. */
 void small_rows_attention(const float *q, const float *k, const float *v, int64_t S, int64_t prefix,
                           const int64_t *offsets, const int64_t *slots, float *out, float *scores,
                           int64_t R, int64_t H, int64_t KVH, int64_t D, int64_t longest, float scale,
                           int threads) {
-    int64_t group = H / KVH, width = prefix + longest;
-#pragma omp parallel for schedule(static) num_threads(threads)
+    int64_t group = H / KVH, width = prefix + longest, D8 = D & ~(int64_t)7;
+#pragma omp parallel num_threads(threads)
+    {
+    /* where each pair's j-th key (then value) sits: one list per thread, reused pair after pair */
+    const float **at = (const float **)malloc(sizeof(float *) * (size_t)width);
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < R * H; t++) {
-        int64_t r = t / H, h = t % H, g = h / group;
+        /* t runs KV head by KV head: g, then row r, then query head h within the group */
+        int64_t g = t / (R * group), r = (t / group) % R, h = g * group + t % group;
         const float *qv = q + (r * H + h) * D;
         const float *kh = k + g * S * D, *vh = v + g * S * D;
         const int64_t *own = slots + offsets[r];
         int64_t L = prefix + (offsets[r + 1] - offsets[r]);
         float *s = scores + t * width;
-        for (int64_t j = 0; j < L; j++) {
-            int64_t slot = j < prefix ? j : own[j - prefix];
-            s[j] = dot(qv, kh + slot * D, D) * scale;
+        for (int64_t j = 0; j < L; j++) at[j] = kh + (j < prefix ? j : own[j - prefix]) * D;
+        int64_t j = 0;
+        if (D8 == D) {
+            const float *key[8];
+            __m256 sc = _mm256_set1_ps(scale);
+            for (; j + 8 <= L; j += 8) {
+                for (int i = 0; i < 8; i++) key[i] = at[j + i];
+                _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8(qv, key, D), sc));
+            }
         }
-        float m = s[0];
-        for (int64_t j = 1; j < L; j++) m = s[j] > m ? s[j] : m;
+        for (; j < L; j++) s[j] = dot(qv, at[j], D) * scale;
+        float m = s[0];  /* the maximum is exact in any order */
+        for (int64_t i = 1; i < L; i++) m = s[i] > m ? s[i] : m;
         int64_t L8 = L & ~(int64_t)7;
         __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
-        for (int64_t j = 0; j < L8; j += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-            _mm256_storeu_ps(s + j, e);
+        for (int64_t i = 0; i < L8; i += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+            _mm256_storeu_ps(s + i, e);
             total = _mm256_add_ps(total, e);
         }
         if (L > L8) {  /* the tail through the same exp, padded with -inf-like values that give 0 */
@@ -267,21 +323,22 @@ void small_rows_attention(const float *q, const float *k, const float *v, int64_
             for (int i = 0; i < 8; i++) tail[i] = L8 + i < L ? s[L8 + i] - m : -100.0f;
             __m256 e = exp8(_mm256_loadu_ps(tail));
             _mm256_storeu_ps(tail, e);
-            for (int64_t j = L8; j < L; j++) s[j] = tail[j - L8];
+            for (int64_t i = L8; i < L; i++) s[i] = tail[i - L8];
             total = _mm256_add_ps(total, e);
         }
         float inv = 1.0f / hsum8(total);
         float *o = out + (r * H + h) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        int64_t D8 = D & ~(int64_t)7;
-        for (int64_t j = 0; j < L; j++) {
-            int64_t slot = j < prefix ? j : own[j - prefix];
-            const float *vv = vh + slot * D;
-            __m256 p = _mm256_set1_ps(s[j]);
-            for (int64_t d = 0; d < D8; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vv + d), _mm256_loadu_ps(o + d)));
-            for (int64_t d = D8; d < D; d++) o[d] += s[j] * vv[d];
+        for (int64_t i = 0; i < L; i++) at[i] = vh + (at[i] - kh); /* now the values' rows */
+        int64_t d = 0;
+        for (; d + 64 <= D8; d += 64) weighted_sum(s, at, L, d, 8, o);
+        for (; d < D8; d += 8) weighted_sum(s, at, L, d, 1, o);
+        for (; d < D; d++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < L; i++) acc += s[i] * at[i][d];
+            o[d] = acc;
         }
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        for (int64_t i = 0; i < D; i++) o[i] *= inv;
+    }
+    free((void *)at);
     }
 }
