@@ -505,13 +505,17 @@ def error_pct(predicted_ms: float, measured_ms: float) -> float:
     return 100.0 * (predicted_ms - measured_ms) / measured_ms
 
 
-def cost_contexts(prompt_tokens: float, max_new_tokens: int, check_tokens: int) -> tuple[list[int], int, int]:
+def cost_contexts(timed_prompt_tokens: float, task_prompt_tokens: float, max_new_tokens: int,
+                  check_tokens: int) -> tuple[list[int], int, int]:
     """(grid of measured contexts, the reference context of the bank's costs, the context of the
     check decodes). The reference is the mean context of a `max_new_tokens` generation after a
-    median prompt; the grid spans the prompt to the end of that generation."""
-    p = int(round(prompt_tokens))
-    ref, check = p + max_new_tokens // 2, p + check_tokens // 2
-    return sorted({p, ref, p + max_new_tokens}), ref, check
+    prompt of the task's mean length (`task_prompt_tokens`, over the calib split: a step's cost
+    grows linearly with the context, so the mean context gives the mean cost, and the one prompt
+    that is decoded for the check need not be typical of the task); the check decodes run after
+    the timed prompt (`timed_prompt_tokens`). The grid spans both prompts to the end of a generation."""
+    timed, task = int(round(timed_prompt_tokens)), int(round(task_prompt_tokens))
+    ref, check = task + max_new_tokens // 2, timed + check_tokens // 2
+    return sorted({min(timed, task), ref, max(timed, task) + max_new_tokens}), ref, check
 
 
 def phase_corrected(timed: dict[str, Any], k: int, model: StepCostModel) -> float:

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.step_cost import (StepCostModel, chains_tree, fill_cache, fit_fixed, level_widths, measure_step_cost,
-                                nondecreasing, paired_medians, phase_corrected, phase_probe, step_clock, time_forward)
+from pipeline.step_cost import (StepCostModel, chains_tree, cost_contexts, fill_cache, fit_fixed, level_widths,
+                                measure_step_cost, nondecreasing, paired_medians, phase_corrected, phase_probe,
+                                step_clock, time_forward)
 from pipeline.timing import early_margin, prune_by_cost
 from runtime.tree import Tree
 
@@ -357,3 +358,14 @@ def test_tree_timer_gives_ratios_to_its_phase_probes_only_when_asked(bundle) -> 
     assert all(math.isnan(r) for r in plain["step_over_phase"]) and math.isnan(plain["ar_token_over_phase"])
     assert all(r > 0 for r in probed["step_over_phase"]) and probed["ar_token_over_phase"] > 0
     assert all(s > 0 for s in plain["step_s"] + probed["step_s"])
+
+
+def test_cost_contexts_take_the_reference_from_the_task_and_cover_the_check() -> None:
+    # a short timed prompt in a task whose prompts are longer on average (ShareGPT's calib split)
+    grid, ref, check = cost_contexts(146, 189.4, 96, 24)
+    assert ref == 189 + 48 and check == 146 + 12
+    assert grid == [146, ref, 189 + 96]
+    assert grid[0] <= check <= grid[-1] and grid[0] <= ref <= grid[-1]
+    # the other way round: the grid still starts at the shorter of the two prompts
+    grid, ref, check = cost_contexts(300, 120, 96, 24)
+    assert grid == [120, ref, 396] and ref == 168 and check == 312

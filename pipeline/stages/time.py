@@ -22,13 +22,16 @@ from pipeline.stages import grow as grow_stage
 from pipeline.stages import recalibrate as recalibrate_stage
 from pipeline.stages.prepare import rows_hash, split_rows
 
-READS = ("time", "profile.timing_prompts", "profile.max_new_tokens", "sampling", "acceptance", *grow_stage.CANDIDATES)
+READS = ("time", "profile.timing_prompts", "profile.calib_prompts", "profile.max_new_tokens", "sampling", "acceptance", *grow_stage.CANDIDATES)
 
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
     rows = split_rows(cfg, "calib", int(cfg.profile.timing_prompts))
+    # the task's prompt lengths set the context the bank's costs are taken at (`cost_contexts`)
+    task_prompt_tokens = statistics.mean(len(r["input_ids"]) for r in split_rows(cfg, "calib", int(cfg.profile.calib_prompts)))
     key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(rows),
+           "task_prompt_tokens": task_prompt_tokens,
            "grow": output_digest(grow_stage.output(cfg)),
            "machine": machine_key(str(cfg.device))}
     exact = cfg.acceptance.kind == "exact"
@@ -54,7 +57,7 @@ def output(cfg: DictConfig) -> Path:
         dec = tree_decoder(cfg, [c["tree"] for c in cands])
         sampler = sampler_from_cfg(cfg)
         prompt_len = statistics.median(len(r["input_ids"]) for r in rows)
-        contexts, ref_ctx, check_ctx = cost_contexts(prompt_len, n_new, int(tc.new_tokens))
+        contexts, ref_ctx, check_ctx = cost_contexts(prompt_len, task_prompt_tokens, n_new, int(tc.new_tokens))
         bar = tqdm(total=1, desc="step-cost model + timed decodes", unit="run")
         model, t = measure_and_check(dec, rows, [c["tree"] for c in cands], per_tree_tps, contexts, ref_ctx,
                                      repeats=int(tc.cost_repeats), rounds=int(tc.rounds),
@@ -82,6 +85,7 @@ def output(cfg: DictConfig) -> Path:
             "signal_ms": {name: chain_ms for name in HEAD_SIGNALS},
             "prefill_ms": 1000 * t["prefill_s"], "prompt_tokens": t["prompt_tokens"],
             "cost_model": {"file": "step_cost.json", "clock": str(tc.clock), "reference_context": ref_ctx,
+                           "task_prompt_tokens": task_prompt_tokens,
                            "check_context": check_ctx, "check_rounds_after_probe_rounds": t["after_probe_rounds"],
                            "pruned_with_probe_rounds": t["pruned_with_probe_rounds"],
                            "max_abs_error_pct": max(errors) if errors else None},

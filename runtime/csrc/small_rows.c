@@ -309,9 +309,16 @@ void small_rows_attention(const float *q, const float *k, const float *v, int64_
             }
         }
         for (; j < L; j++) s[j] = dot(qv, at[j], D) * scale;
-        float m = s[0];  /* the maximum is exact in any order */
-        for (int64_t i = 1; i < L; i++) m = s[i] > m ? s[i] : m;
         int64_t L8 = L & ~(int64_t)7;
+        float m = s[0];  /* the maximum is exact in any order: 8 lanes, then the lanes and the tail */
+        if (L8) {
+            __m256 top = _mm256_loadu_ps(s);
+            for (int64_t i = 8; i < L8; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + i));
+            float lanes[8];
+            _mm256_storeu_ps(lanes, top);
+            for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+        }
+        for (int64_t i = L8; i < L; i++) m = s[i] > m ? s[i] : m;
         __m256 mv = _mm256_set1_ps(m), total = _mm256_setzero_ps();
         for (int64_t i = 0; i < L8; i += 8) {
             __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
