@@ -2,6 +2,7 @@
 against torch's products, side by side.
 
     python -m pipeline.benchmarks.small_rows_speed [--rows 1 2 3 5 9 17 33] [--context 300] [--repeats 9] [--bf16]
+    python -m pipeline.benchmarks.small_rows_speed --attention [--contexts 150 400 700] [--rows 1 3 5 9]
 
 Two copies of the default model in float32: one with the kernels (`add_fast_paths()`), one with
 torch's products (`add_fast_paths(kernel=False)`, the MKL paths `runtime.model.Linear` describes,
@@ -11,6 +12,11 @@ candidate of `dtype: auto`). For each row count N, a forward of N new tokens (a 
 ones before it) after a `--context`-token cache, wall clock, median of `--repeats` rounds that
 interleave both models. Prints ms and each forward's cost in one-token forwards of the same model.
 Writes artifacts/reports/benchmarks/small_rows_speed.{csv,json}.
+
+`--attention` times the attention kernel alone, the part of a forward that grows with the context:
+every layer's `runtime.small_rows.attention` call on the model's head shapes, N rows of a chain after
+each of `--contexts` cached positions (random queries and caches), median of `--repeats` x 20 calls.
+Prints ms per forward (all layers) and each N's cost in one-row calls.
 """
 
 from __future__ import annotations
@@ -39,6 +45,46 @@ def forward_ms(model: Transformer, context: torch.Tensor, rows: int, gen: torch.
     return 1e3 * t
 
 
+def attention_ms(n_layers: int, heads: int, kv_heads: int, head_dim: int, rows: int, context: int,
+                 gen: torch.Generator, calls: int = 20) -> float:
+    """Median ms of `n_layers` attention calls for `rows` new chain rows after `context` cached slots."""
+    k, v = (torch.randn(kv_heads, context + rows, head_dim, generator=gen) for _ in range(2))
+    q = torch.randn(rows, heads, head_dim, generator=gen)
+    offsets = torch.tensor([0] + [r + 1 for r in range(rows)]).cumsum(0)
+    slots = torch.tensor([context + j for r in range(rows) for j in range(r + 1)])
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        small_rows.attention(q, k, v, context, offsets, slots, rows, head_dim ** -0.5)
+        samples.append(time.perf_counter() - t0)
+    return 1e3 * n_layers * median(samples)
+
+
+def main_attention(model_dir: str, rows: list[int], contexts: list[int], repeats: int) -> None:
+    args = load_model(model_dir, max_seq_len=8).args
+    gen = torch.Generator().manual_seed(0)
+    shape = (args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim)
+    times: dict[tuple[int, int], list[float]] = {(c, n): [] for c in contexts for n in rows}
+    for _ in range(repeats):  # rounds interleave every cell, so the machine's phases hit them alike
+        for c in contexts:
+            for n in rows:
+                times[(c, n)].append(attention_ms(*shape, n, c, gen))
+    out = []
+    for c in contexts:
+        one = median(times[(c, rows[0])])
+        for n in rows:
+            ms = median(times[(c, n)])
+            out.append({"context": c, "rows": n, "attention_ms": round(ms, 3), f"x_{rows[0]}_rows": round(ms / one, 3)})
+        print(f"context {c:5d}: " + "   ".join(f"{r['rows']} rows {r['attention_ms']:.2f} ms ({r[f'x_{rows[0]}_rows']:.2f}x)"
+                                          for r in out if r["context"] == c))
+    REPORT_DIR.mkdir(parents=True, exist_ok=True)
+    write_csv(REPORT_DIR / "small_rows_attention.csv", out)
+    atomic_write_json(REPORT_DIR / "small_rows_attention.json", {
+        "machine": machine_info(), "threads": torch.get_num_threads(), "layers": args.n_layers,
+        "heads": args.n_heads, "kv_heads": args.n_kv_heads, "head_dim": args.head_dim, "results": out})
+    print(f"wrote {REPORT_DIR / 'small_rows_attention.csv'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
@@ -47,11 +93,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--bf16", action="store_true", help="also time torch's bfloat16 model")
+    ap.add_argument("--attention", action="store_true", help="time the attention kernel alone (see above)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[150, 400, 700], help="cached positions (--attention)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     if not small_rows.available():
         raise SystemExit(f"the small-row kernels are unavailable here: {small_rows.unavailable_reason()}")
+    if a.attention:
+        return main_attention(a.model, a.rows, a.contexts, a.repeats)
     seq = a.context + max(a.rows) + 1
     models = {"kernels": load_model(a.model, max_seq_len=seq)}
     # the same kernels restricted to AVX2 (bit-identical results) where the CPU has AVX-512
