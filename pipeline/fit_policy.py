@@ -102,7 +102,7 @@ class _Fitter:
 
     def smallest_near_best(self, policies: Sequence[Policy], tolerance: float) -> tuple[Policy, PolicyReplay]:
         """The first of `policies` (ordered by size) whose tokens/s is within `tolerance` of the best."""
-        from pipeline.timing import smallest_near_best
+        from pipeline.bank.selection import smallest_near_best
 
         scored = [(p, *self.score(p)) for p in policies]
         p, _, rep = scored[smallest_near_best([tps for _, tps, _ in scored], tolerance)]

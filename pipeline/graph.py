@@ -19,12 +19,9 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.artifacts import MANIFEST, before_first_build, hash_obj, read_json
+from pipeline.schema import STAGE_ORDER
 
 log = logging.getLogger(__name__)
-
-STAGE_ORDER = ("model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank", "evaluate", "compare")
-# the tasks whose train pools the default heads mix reads, and that `make banks` / `stage=compare` cover
-TRAIN_TASKS = ("humaneval", "gsm8k", "sharegpt")
 
 _MEMO: dict[tuple[str, str], Any] = {}
 F = TypeVar("F", bound=Callable[..., Any])

@@ -157,14 +157,12 @@ class Layout:
         """What was tried in training the draft heads and its measured effect (all kinds)."""
         return self.model_reports / "heads"
 
-    @property
-    def dtype_choice(self) -> Path:
-        """The measured fp32-vs-bf16 choice of `dtype: auto` on this machine (ordinary arithmetic)."""
-        return self.model_reports / "dtype_choice.json"
-
-    def dtype_choice_invariant(self, rows: int) -> Path:
-        """The same choice between row-invariant models padded to `rows` rows (`lossless: exact`)."""
-        return self.model_reports / f"dtype_choice_invariant{rows}.json"
+    def dtype_dir(self, invariant_rows: int | None) -> Path:
+        """The dtype stage's output: the measured float32-vs-bfloat16 choice of `dtype: auto` on this
+        machine, in the ordinary arithmetic or between row-invariant models padded to
+        `invariant_rows` rows (`lossless: exact`)."""
+        tag = f"exact{invariant_rows}" if invariant_rows else "numerical"
+        return self.artifacts / "machine" / self.model_name / f"dtype-{tag}"
 
     @property
     def heads_reports(self) -> Path:

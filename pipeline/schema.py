@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+import typing
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-# the tasks of the default heads training mix, and of `make banks` / `stage=compare`
+from runtime.config import DTYPES, KINDS, OUTPUTS
+from runtime.config import SamplingConfig as RuntimeSampling
+
+# the tasks of the default heads training mix, and of `make banks` / `stage=compare` and the benchmarks
 TRAIN_TASKS = ("humaneval", "gsm8k", "sharegpt")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+# the stages, in the order they run (one module each: pipeline/stages/<stage>.py)
+STAGE_ORDER = ("model", "dtype", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank", "evaluate",
+               "compare")
+WEIGHT_DTYPES = DTYPES
 
 
 def choice(default: Any, *options: Any) -> Any:
@@ -87,7 +93,7 @@ class TrainSettings:
     # state stay float32). Training runs on the config's `device`.
     dtype: str = choice("float32", *WEIGHT_DTYPES)
     # --- training changes under trial (issue #13): off by default; measured effects are in the
-    # heads ablation report (`python -m pipeline.benchmarks.heads_ablation`)
+    # heads ablation report (`python -m pipeline.experiments.heads_ablation`)
     # more varied data: per training prompt, this many extra continuations sampled at
     # `sample_temperature` (seeded, position-keyed Gumbel-max as runtime/sampling.py) besides the greedy one
     sampled_continuations: int = at_least(0, 0)
@@ -150,7 +156,7 @@ _ADDED_TRAIN_FIELDS = {"dtype": "float32", "sampled_continuations": 0, "sample_t
 @dataclass
 class DraftVocabConfig:
     """A frequency-ranked draft vocabulary (FR-Spec) derived from full-vocabulary heads without
-    retraining (`pipeline.draft_vocab`): the heads draft over the `size` ids the model itself emits
+    retraining (`pipeline.heads.draft_vocab`): the heads draft over the `size` ids the model itself emits
     most often on the train pools of `heads.train.tasks`, so their output product reads `size`
     rows of the lm_head instead of all of them. Verification by the base model keeps decoding
     lossless; a token outside the draft vocabulary is simply never drafted."""
@@ -161,16 +167,18 @@ class DraftVocabConfig:
 
 
 @dataclass
-class HeadsConfig:
-    """Draft heads: their shape, and how they are trained (`train`) unless `dir` names a folder."""
+class HeadsGroup:
+    """The `heads` group: which heads folder, its shape (the fields of `runtime.config.HeadsConfig`
+    that a heads config sets; that class checks them), and how the heads are trained (`train`)
+    unless `dir` names a folder."""
 
     name: str = MISSING                     # the folder name under artifacts/heads/<model>/
     dir: Optional[str] = None               # an existing heads folder instead of trained ones
-    kind: str = choice("hydra", "hydra", "medusa")
+    kind: str = choice("hydra", *KINDS)
     num_heads: int = at_least(4, 1)         # draft tokens beyond the root (the deepest tree)
     num_layers: int = at_least(1, 1)        # ResBlocks per head
     prefix_layer: bool = False              # Hydra++: one extra decoder layer over the base hidden states
-    output: str = choice("shared", "shared", "own", "draft")  # shared: the base lm_head, frozen
+    output: str = choice("shared", *OUTPUTS)  # shared: the base lm_head, frozen
     draft_vocab_size: Optional[int] = at_least(None, 1)       # only for output: draft
     dropout: float = at_least(0.0, 0.0, 1.0)                  # training only
     # derived after training or import, for heads whose output layer is the base lm_head (`shared`)
@@ -248,14 +256,20 @@ class PolicyConfig:
     thresholds: Optional[List[float]] = None    # fixed ladder thresholds
 
 
-@dataclass
-class SamplingConfig:
-    """Decoding settings (recorded in the keys of the stages that decode; greedy by default)."""
+def _structured(cls: type, doc: str) -> type:
+    """A schema dataclass with the fields, types and defaults of a runtime config dataclass, so
+    that a setting is declared once (its checks stay in the runtime class's `__post_init__`, which
+    `pipeline.validate` runs on the composed values)."""
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(cls)]
+    schema = dataclasses.make_dataclass(cls.__name__, fields)
+    schema.__doc__ = doc
+    schema.__module__ = __name__
+    return schema
 
-    temperature: float = at_least(0.0, 0.0)
-    top_k: int = at_least(0, 0)
-    top_p: float = at_least(1.0, 0.0, 1.0)
-    seed: int = 0
+
+# `sampling`: runtime.config.SamplingConfig's fields (recorded in the keys of the stages that decode)
+SamplingConfig = _structured(RuntimeSampling, "Decoding settings: runtime.config.SamplingConfig (greedy by default).")
 
 
 @dataclass
@@ -306,7 +320,7 @@ class TimeConfig:
     new_tokens: int = at_least(24, 1)  # tokens per timed decode (the first 2 steps of each are warm-up)
     prune: bool = True                 # skip trees whose replayed tokens/step cannot pay for their modeled cost
     # ... even this fraction cheaper than modeled (the first probe round's model, which decides what is
-    # never timed, prunes with this margin twice over: `pipeline.timing.early_margin`)
+    # never timed, prunes with this margin twice over: `pipeline.timing.checks.early_margin`)
     prune_margin: float = at_least(0.15, 0.0, 0.99)
 
 
@@ -335,19 +349,18 @@ class PipelineConfig:
     """The whole pipeline config (`python -m pipeline --cfg job` prints it)."""
 
     model: ModelConfig = MISSING
-    heads: HeadsConfig = MISSING
+    heads: HeadsGroup = MISSING
     task: TaskConfig = MISSING
     profile: ProfileConfig = MISSING
     policy: PolicyConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
-    stage: str = choice("bank", "model", "heads", "prepare", "rollout", "merge", "grow", "recalibrate", "time", "bank",
-                        "evaluate", "compare")
+    stage: str = choice("bank", *STAGE_ORDER)
     force: bool = False                # rebuild the stage's output even when it is up to date
     artifacts_dir: str = "artifacts"
     data_dir: str = "data"
     seed: int = at_least(0, 0)
-    dtype: str = choice("auto", *DTYPES)   # auto: the faster of float32 / bfloat16 on this machine (in the lossless mode's arithmetic)
+    dtype: str = choice("auto", "auto", *DTYPES)   # auto: the faster of float32 / bfloat16 on this machine (in the lossless mode's arithmetic)
     # exact: every decode forward is row-invariant (padded to invariant_rows rows, keys in logical
     # order), so tree decoding equals AR token for token in any dtype; numerical: the fastest
     # arithmetic, divergences from AR listed and checked against a rounding bound (evaluate)
@@ -362,7 +375,7 @@ class PipelineConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
-GROUP_SCHEMAS = {"model": ModelConfig, "heads": HeadsConfig, "task": TaskConfig, "profile": ProfileConfig,
+GROUP_SCHEMAS = {"model": ModelConfig, "heads": HeadsGroup, "task": TaskConfig, "profile": ProfileConfig,
                  "policy": PolicyConfig}
 
 
@@ -405,7 +418,7 @@ def _dataclass_type(annotation: Any) -> type | None:
     return _SCHEMAS_BY_NAME.get(name)
 
 
-_SCHEMAS_BY_NAME = {c.__name__: c for c in (ModelConfig, TrainSettings, HeadsConfig, TaskSource, TaskFields, TaskPools,
+_SCHEMAS_BY_NAME = {c.__name__: c for c in (ModelConfig, TrainSettings, HeadsGroup, TaskSource, TaskFields, TaskPools,
                                            TaskConfig, ProfileConfig, PolicyConfig, SamplingConfig, AcceptanceConfig, RolloutConfig,
                                            GrowConfig, TimeConfig, BankConfig, EvaluateConfig, PipelineConfig)}
 

@@ -94,6 +94,12 @@ def config_problems(cfg: DictConfig) -> list[str]:
         if not torch.cuda.is_available():
             add("device=cuda but no CUDA device is visible; use device=cpu")
 
+    sampling = get("sampling")
+    if isinstance(sampling, dict) and not any(b.startswith("sampling.") for b in bad):
+        from runtime.config import SamplingConfig
+
+        guard("sampling", lambda: SamplingConfig(**sampling))
+
     if get("acceptance.kind") == "typical" and (get("sampling.temperature") or 0) > 0:
         add(f"acceptance.kind=typical decides with its own temperature (acceptance.temperature), but "
             f"sampling.temperature={get('sampling.temperature')}; set sampling.temperature=0, or use acceptance.kind=exact "
@@ -133,11 +139,15 @@ def config_problems(cfg: DictConfig) -> list[str]:
         add("model.repo_id is required for model=hub; pass e.g. model.repo_id=lmsys/vicuna-7b-v1.3")
 
     # ---- heads
-    output, dv = get("heads.output"), get("heads.draft_vocab_size")
-    if output == "draft" and dv is None:
-        add("heads.draft_vocab_size=None: heads.output=draft needs a positive draft vocabulary size")
-    if output in ("shared", "own") and dv is not None:
-        add(f"heads.draft_vocab_size={dv!r} only applies to heads.output=draft; set it to null")
+    heads = get("heads")
+    output = get("heads.output")
+    if isinstance(heads, dict) and not any(b.startswith("heads.") for b in bad):
+        from runtime.config import HeadsConfig
+
+        # the runtime's own rules for a heads shape; sizes that come from the model are stand-ins
+        # (the prefix layer needs the model's shapes: checked when the heads are built)
+        shape = {k: heads[k] for k in ("kind", "num_heads", "num_layers", "output", "draft_vocab_size", "dropout")}
+        guard("heads", lambda: HeadsConfig(hidden_size=1, vocab_size=2 ** 31 - 1, **shape))
     if get("heads.draft_vocab.size") and output != "shared":
         add(f"heads.draft_vocab.size={get('heads.draft_vocab.size')} restricts the shared lm_head, but "
             f"heads.output={output}: set heads.draft_vocab.size=null")
@@ -147,11 +157,11 @@ def config_problems(cfg: DictConfig) -> list[str]:
             add(f"heads.dir={hdir} holds no heads (config.json + heads.safetensors, or a published Hydra/Medusa "
                 "folder); fix the path or set heads.dir=null to train them")
         else:
-            from pipeline.heads_import import heads_folder_kind
+            from pipeline.heads.published import heads_folder_kind
 
             guard("heads.dir", lambda: heads_folder_kind(Path(str(hdir))))
             if get("heads.draft_vocab.size"):
-                from pipeline.draft_vocab import check_shared_output
+                from pipeline.heads.draft_vocab import check_shared_output
 
                 guard("heads.draft_vocab.size", lambda: check_shared_output(Path(str(hdir))))
     elif isinstance(get("heads.train"), dict):

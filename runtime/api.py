@@ -21,14 +21,13 @@ import torch
 
 from runtime.bank import BankError, TopologyBank
 from runtime.decoder import Acceptance, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
-from runtime.device import clock, resolve_device
+from runtime.device import clock, resolve_device, torch_dtype
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import DraftHeads, load_heads
 from runtime.model import Transformer, load_model, load_tokenizer
 from runtime.policy import Scheduler, policy_from_dict
 from runtime.sampling import Sampler, SamplingConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -123,11 +122,9 @@ class EntMTP:
                 raise BankError(f"the {what} folder {p} for bank {bank_dir} does not exist; "
                                 f"pass {what}_dir=... or rebuild with `make bank`")
         dt = dtype or prov.get("dtype") or "float32"
-        if dt not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dt!r}")
         recorded = prov.get("device") or (prov.get("config") or {}).get("device")
         dev = resolve_device(device, recorded)
-        model = load_model(model_dir, dtype=_DTYPES[dt], max_seq_len=max_seq_len, device=dev)
+        model = load_model(model_dir, dtype=torch_dtype(dt), max_seq_len=max_seq_len, device=dev)
         mode = lossless or prov.get("lossless") or "exact"
         if mode not in LOSSLESS_MODES:
             raise ValueError(f"lossless must be one of {', '.join(LOSSLESS_MODES)}, got {mode!r}")

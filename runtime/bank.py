@@ -156,7 +156,7 @@ class TopologyBank:
         prov = self.provenance
         machine = prov.get("machine") if isinstance(prov.get("machine"), dict) else {}
         lines.append(f"  task={prov.get('task')} model={prov.get('model_name')} heads={prov.get('heads_name')} "
-                     f"dtype={prov.get('dtype')} machine={machine.get('cpu')}")
+                     f"dtype={prov.get('dtype')} kernel={prov.get('kernel', 'unrecorded')} machine={machine.get('cpu')}")
         nan = float("nan")
         for k, (t, f) in enumerate(zip(self.trees, self.figures)):
             star = " *" if k == self.best_static else ""

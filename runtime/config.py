@@ -1,5 +1,6 @@
 """The typed configs of the runtime's objects, without torch: `ModelArgs` (a Llama-family model's
-shape, read from a Hugging Face config.json) and `HeadsConfig` (a draft-heads folder's shape).
+shape, read from a Hugging Face config.json), `HeadsConfig` (a draft-heads folder's shape) and
+`SamplingConfig` (how output tokens are chosen).
 
 Kept apart from the modules that build the objects so that reading or keying a configuration
 (the pipeline's up-to-date checks) does not import torch; `runtime.model` and `runtime.heads`
@@ -9,10 +10,13 @@ re-export them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# the floating dtypes a model or heads run and are stored in, by torch name (`runtime.device.torch_dtype`)
+DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # weight files of the published heads layouts (`runtime.published` reads them)
 HYDRA_WEIGHTS = "hydra_lm_head.pt"
@@ -234,3 +238,46 @@ def _args_to_dict(args: ModelArgs) -> dict[str, Any]:
     d = dataclasses.asdict(args)
     d["eos_token_ids"] = list(d["eos_token_ids"])
     return d
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How each output token is chosen. temperature 0 is greedy argmax (top_k, top_p and seed are
+    then irrelevant); temperature > 0 samples from softmax(logits / temperature) restricted to
+    the top_k most probable tokens (0 = no limit) and then to the smallest most-probable set whose
+    probability reaches top_p (1.0 = no limit), with noise keyed on `seed`."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = no top-k limit), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1 = no top-p limit), got {p!r}")
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1 << 64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"temperature": float(self.temperature), "top_k": self.top_k, "top_p": float(self.top_p),
+                "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingConfig:
+        unknown = set(d) - {"temperature", "top_k", "top_p", "seed"}
+        if unknown:
+            raise ValueError(f"unknown sampling settings {sorted(unknown)}; known: temperature, top_k, top_p, seed")
+        return cls(**d)

@@ -3,6 +3,7 @@
 * `synchronize(device)` waits for the device's queued work, so a clock read after it measures
   work that has finished (CUDA kernels run asynchronously; on the CPU every op has returned by
   the time the next Python line runs, so it does nothing there).
+* `torch_dtype(name)`: the torch dtype of one of `runtime.config.DTYPES`.
 * `resolve_device(requested, recorded)` picks the device to load on: the one asked for, else the
   one a bank was built on, falling back to the CPU with a warning when that one is missing.
 """
@@ -13,6 +14,15 @@ import time
 import warnings
 
 import torch
+
+from runtime.config import DTYPES
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch's dtype for a name of `DTYPES` ("float32", "bfloat16", "float16")."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
 
 
 def synchronize(device: torch.device | str) -> None:

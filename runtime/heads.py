@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from runtime.device import torch_dtype
 from runtime.io import atomic_write_bytes
 from runtime.config import (  # noqa: F401 - re-exported
-    CONFIG_FILE, DRAFT_DTYPES, FORMAT, FORMAT_VERSION, KINDS, OUTPUTS, WEIGHTS_FILE, HeadsConfig, _args_to_dict,
+    CONFIG_FILE, DRAFT_DTYPES, DTYPES, FORMAT, FORMAT_VERSION, KINDS, OUTPUTS, WEIGHTS_FILE, HeadsConfig, _args_to_dict,
 )
 from runtime.model import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
 from runtime.tree import TreeBuffers
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,7 +575,7 @@ def save_heads(heads: DraftHeads, folder: str | Path, dtype: torch.dtype | None 
     float_dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
     if len(float_dtypes) != 1:
         raise ValueError(f"heads weights mix dtypes {float_dtypes}; cast the heads to one dtype before saving")
-    dtype_name = next(k for k, v in _DTYPES.items() if v in float_dtypes)
+    dtype_name = next(k for k in DTYPES if torch_dtype(k) in float_dtypes)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype_name, **heads.config.to_dict()}
     atomic_write_bytes(folder / WEIGHTS_FILE, save(state, metadata={"format": "pt", "entmtp": FORMAT}))
     atomic_write_bytes(folder / CONFIG_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
@@ -596,8 +596,8 @@ def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
     if version != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
     dtype = raw.pop("dtype", None)
-    if dtype not in _DTYPES:
-        raise ValueError(f"{path}: 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"{path}: 'dtype' must be one of {list(DTYPES)}, got {dtype!r}")
     try:
         return HeadsConfig.from_dict(raw), dtype
     except (TypeError, ValueError) as e:
@@ -660,10 +660,10 @@ def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torc
     with safe_open(str(wfile), framework="pt") as f:
         for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             state[k] = f.get_tensor(k)
-    bad = sorted(k for k, v in state.items() if v.is_floating_point() and v.dtype != _DTYPES[stored])
+    bad = sorted(k for k, v in state.items() if v.is_floating_point() and v.dtype != torch_dtype(stored))
     if bad:
         raise ValueError(f"{wfile}: tensors {bad[:5]} are not {stored} as config.json says; the files do not belong together")
-    target = dtype or (model.dtype if model is not None else _DTYPES[stored])
+    target = dtype or (model.dtype if model is not None else torch_dtype(stored))
     heads = build_heads(config, state, str(wfile), target, model.device if model is not None else "cpu")
     if model is not None:
         heads.bind(model)

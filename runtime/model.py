@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from runtime import small_rows
-from runtime.config import SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelArgs, _read_rope  # noqa: F401 - re-exported
+from runtime.config import DTYPES, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, ModelArgs, _read_rope  # noqa: F401 - re-exported
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = tuple(getattr(torch, d) for d in DTYPES)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.config import SamplingConfig
+
 __all__ = ["SamplingConfig", "RowPositions", "Sampler", "gumbel_noise", "process_logits", "keyed_argmax"]
 
 _MASK64 = (1 << 64) - 1
@@ -104,45 +106,6 @@ def gumbel_noise(seed: int | torch.Tensor, positions: torch.Tensor, vocab_size: 
     bits = _mix64(row_key[..., None] + _token_counters(vocab_size, positions.device))
     u = _shift_right(bits, 11).to(torch.float64).add_(0.5).mul_(2.0 ** -53)
     return u.log_().neg_().log_().neg_()
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How each output token is chosen. temperature 0 is greedy argmax (top_k, top_p and seed are
-    then irrelevant); temperature > 0 samples from softmax(logits / temperature) restricted to
-    the top_k most probable tokens (0 = no limit) and then to the smallest most-probable set whose
-    probability reaches top_p (1.0 = no limit), with noise keyed on `seed`."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = no top-k limit), got {k!r}")
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1] (1 = no top-p limit), got {p!r}")
-        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1 << 64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {s!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def to_dict(self) -> dict[str, float | int]:
-        return {"temperature": float(self.temperature), "top_k": self.top_k, "top_p": float(self.top_p),
-                "seed": self.seed}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SamplingConfig:
-        unknown = set(d) - {"temperature", "top_k", "top_p", "seed"}
-        if unknown:
-            raise ValueError(f"unknown sampling settings {sorted(unknown)}; known: temperature, top_k, top_p, seed")
-        return cls(**d)
 
 
 def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

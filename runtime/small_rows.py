@@ -11,36 +11,44 @@ for 2..32 rows; on a 2-core AVX2 EPYC a 3-token forward cost 1.5x a one-token fo
 rows the call holds or where its keys sit in the cache: with all three, every decode forward is
 row-invariant by construction, so the exact lossless mode costs nothing extra.
 
-The kernel is plain C compiled once per machine with the system C compiler into a cache folder
-(`$ENTMTP_CACHE_DIR`, else `$XDG_CACHE_HOME/entmtp`, else `~/.cache/entmtp`) and loaded with
-ctypes: no build step, no extra dependency. Where it cannot be used (no AVX2/FMA, not Linux x86-64,
-no compiler, `ENTMTP_SMALL_ROWS=0`) `available()` is False and `runtime.model.Linear` keeps torch's
-products; the reason is in `unavailable_reason()`.
+How it is built: the install compiles `runtime/csrc/small_rows.c` as an optional setuptools
+extension (`setup.py`; `make install` or `pip install [-e] .`) into `runtime/_small_rows*.so`
+(next to this file: in the source tree for an editable install, in site-packages otherwise),
+with the sha256 of the source it was compiled from embedded. This module finds that file with
+importlib and loads it with ctypes (it is a plain C library, not a Python module). Nothing is
+compiled at run time. A build whose embedded digest differs from the installed
+`csrc/small_rows.c` (the source was edited, or pulled, without a reinstall) is stale and refused:
+its arithmetic is not the source's.
+
+Fallback: where the kernel cannot be used (no AVX2/FMA, not Linux x86-64, no C compiler at install
+time, a stale build, `ENTMTP_SMALL_ROWS=0`) `available()` is False, `runtime.model.Linear` keeps
+torch's products, and `unavailable_reason()` says why. The two give different float32 results, so
+`kernel_id()` names the arithmetic that runs ("none" for torch's): stage keys and bank provenance
+record it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 PANEL = 16  # output rows per packed panel (the kernel's register tile is 6 rows x 16 outputs)
 _SOURCE = Path(__file__).parent / "csrc" / "small_rows.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Werror=implicit-function-declaration",
-          "-Wl,--no-undefined"]
-_LIBS = ["-lm"]  # after the source: the linker resolves left to right
+_EXTENSION = f"{__package__ or 'runtime'}._small_rows"  # built by setup.py at install time
+_REINSTALL = "make install, or pip install [-e] ."
 
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the kernel is unavailable; None = not probed yet or available
+_source_sha: str | None = None  # sha256 of the source the loaded kernel was built from
 _probed = False
 
 
@@ -54,39 +62,17 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("ENTMTP_CACHE_DIR"):
-        return Path(os.environ["ENTMTP_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "entmtp"
-
-
-def _build(compiler: str) -> Path:
-    """Compile the kernel (once per source, flags and compiler) and return the shared object.
-    Written under a temporary name and renamed, so concurrent first uses cannot load half a file."""
-    source = _SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    digest = hashlib.sha256(source + " ".join(_FLAGS + _LIBS + [version]).encode()).hexdigest()[:16]
-    folder = _cache_dir() / "kernels"
-    target = folder / f"small_rows-{digest}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
-    os.close(fd)
+def _built_library() -> str | None:
+    """The path of the kernel the install built, None where it did not."""
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, *_LIBS], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {_SOURCE}: {done.stderr.strip()[:500]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        spec = importlib.util.find_spec(_EXTENSION)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.origin and os.path.exists(spec.origin) else None
 
 
 def _load() -> None:
-    global _lib, _reason, _probed
+    global _lib, _reason, _source_sha, _probed
     _probed = True
     if os.environ.get("ENTMTP_SMALL_ROWS", "1") == "0":
         _reason = "disabled by ENTMTP_SMALL_ROWS=0"
@@ -98,15 +84,29 @@ def _load() -> None:
     if missing:
         _reason = f"this CPU lacks {', '.join(sorted(missing))}"
         return
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        _reason = "no C compiler (cc/gcc) on PATH to build runtime/csrc/small_rows.c"
+    path = _built_library()
+    if path is None:
+        _reason = (f"{_EXTENSION.replace('.', '/')}*.so was not built at install time (no C compiler?): "
+                   f"reinstall with a C compiler ({_REINSTALL})")
         return
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(path)
         lib.small_rows_matmul, lib.small_rows_rms_norm, lib.small_rows_attention  # noqa: B018 - all there?
-    except (OSError, RuntimeError, AttributeError) as err:
-        _reason = f"could not build or load the kernel: {err}"
+        lib.small_rows_source_sha.argtypes = []
+        lib.small_rows_source_sha.restype = ctypes.c_char_p
+        built = lib.small_rows_source_sha().decode()
+    except (OSError, AttributeError) as err:
+        _reason = f"could not load the kernel {path}: {err}; reinstall to rebuild it ({_REINSTALL})"
+        warnings.warn(f"EntMTP small-row kernel unavailable, using torch's products: {_reason}", stacklevel=3)
+        return
+    try:
+        source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()
+    except OSError as err:
+        _reason = f"cannot check the kernel {path} against its source {_SOURCE}: {err}; reinstall ({_REINSTALL})"
+        return
+    if built != source:
+        _reason = (f"stale build: {path} was compiled from another version of {_SOURCE} (sha256 {built[:12]}, "
+                   f"the source now {source[:12]}); reinstall to rebuild it ({_REINSTALL})")
         warnings.warn(f"EntMTP small-row kernel unavailable, using torch's products: {_reason}", stacklevel=3)
         return
     fn = lib.small_rows_matmul
@@ -122,7 +122,7 @@ def _load() -> None:
     attend.restype = None
     lib.small_rows_use_avx512.argtypes = [ctypes.c_int]
     lib.small_rows_use_avx512.restype = ctypes.c_int
-    _lib = lib
+    _lib, _source_sha = lib, source
     # bit-identical either way (see small_rows.c); avx2 is there to check that, or to compare speed
     wanted = os.environ.get("ENTMTP_SMALL_ROWS_ISA", "auto")
     try:
@@ -132,7 +132,7 @@ def _load() -> None:
 
 
 def available() -> bool:
-    """Whether `matmul` can run here (builds the kernel on the first call)."""
+    """Whether `matmul` can run here (loads the kernel on the first call)."""
     if not _probed:
         _load()
     return _lib is not None
@@ -142,6 +142,19 @@ def unavailable_reason() -> str | None:
     """Why `available()` is False (None when it is True)."""
     available()
     return _reason
+
+
+def kernel_id() -> str:
+    """The name of the float32 arithmetic a decode forward runs here: "none" where the kernel is
+    unavailable (torch's products), else "small_rows-<isa>-<first 12 hex digits of the source's
+    sha256>", e.g. "small_rows-avx512-0123456789ab". The kernel and torch round differently, and a
+    kernel built from another source may too, so whatever depends on decode arithmetic (stage keys,
+    bank provenance) records this. The ISA part is the one in use now (`set_isa`); AVX-512 and AVX2
+    are bit-identical by construction, and the name keeps which one ran."""
+    if not available():
+        return "none"
+    assert _source_sha is not None
+    return f"small_rows-{isa()}-{_source_sha[:12]}"
 
 
 def set_isa(name: str) -> str:
@@ -167,6 +180,8 @@ def isa() -> str | None:
 
 def pack(weight: Tensor) -> Tensor:
     """W [N, K] float32 as panels [ceil(N/16), K, 16] (output rows past N are zero)."""
+    import torch  # here, not at the top: `kernel_id` serves torch-free up-to-date checks
+
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"pack takes a 2-D float32 CPU weight, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
     n, k = weight.shape
@@ -180,6 +195,8 @@ def pack(weight: Tensor) -> Tensor:
 def matmul(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
     """x [R, K] @ W^T for W packed by `pack`: [R, out_features] float32. Each row's result is
     bit-identical whatever R is. Call only when `available()`."""
+    import torch  # here, not at the top: `kernel_id` serves torch-free up-to-date checks
+
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != packed.shape[1]:
         raise ValueError(f"x must be float32 [R, {packed.shape[1]}], got {x.dtype} {tuple(x.shape)}")
     assert _lib is not None, "small_rows.matmul called where available() is False"
@@ -194,6 +211,8 @@ def matmul(x: Tensor, packed: Tensor, out_features: int) -> Tensor:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dimension of float32 x [..., D] (no autograd). Each row's result is
     bit-identical whatever the row count. Call only when `available()`."""
+    import torch  # here, not at the top: `kernel_id` serves torch-free up-to-date checks
+
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm takes float32 x [..., {weight.shape[0]}] and weight, got {x.dtype} {tuple(x.shape)}")
     assert _lib is not None, "small_rows.rms_norm called where available() is False"
@@ -212,6 +231,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, prefix: int, offsets:
     longest of those lists. Returns [R, H, D]. Each row's result depends only on its query and its
     keys in that order, not on R or on where the keys sit (see small_rows.c). Call only when
     `available()`."""
+    import torch  # here, not at the top: `kernel_id` serves torch-free up-to-date checks
+
     assert _lib is not None, "small_rows.attention called where available() is False"
     r, h, d = q.shape
     kvh, s, _ = k_cache.shape

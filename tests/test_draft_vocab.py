@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.draft_vocab import (
+from pipeline.heads.draft_vocab import (
     FREQ_FILE, count_tokens, draft_vocab_config, draft_vocab_heads, frequency_ranking, read_frequencies,
     write_draft_vocab_heads,
 )
@@ -157,7 +157,7 @@ def test_loading_validates_what_it_reads(tmp_path) -> None:
     with pytest.raises(ValueError, match="another model"):
         write_frequencies(tmp_path / "f", np.ones(VOCAB + 3, dtype=np.int64))
         read_frequencies(tmp_path / "f", VOCAB)
-    with pytest.raises(FileNotFoundError, match="pipeline.draft_vocab"):
+    with pytest.raises(FileNotFoundError, match="pipeline.heads.draft_vocab"):
         read_frequencies(tmp_path / "missing")
 
 

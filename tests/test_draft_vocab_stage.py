@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.draft_vocab import read_frequencies
+from pipeline.heads.draft_vocab import read_frequencies
 from pipeline.paths import Layout
 from runtime.heads import load_heads
 from tests.helpers import MODEL_NAME, TinyBundle, tiny_pipeline_cfg

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.chat_templates import CHAT_TEMPLATES, VICUNA_SYSTEM, describe_chat_template, render, resolve_chat_template
-from pipeline.heads_import import export_published_hydra, heads_folder_kind, import_heads
+from pipeline.heads.published import export_published_hydra, heads_folder_kind, import_heads
 from pipeline.model import inspect_model_folder, provision_model, resolve_max_seq_len
 from runtime.fingerprint import weights_fingerprint
 from runtime.heads import load_heads

@@ -75,6 +75,33 @@ def test_no_import_cycle_inside_pipeline() -> None:
     assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph) or [])
 
 
+# the stage graph and the drivers that run it; every other module of `pipeline` is library code
+DRIVERS = ("pipeline.graph", "pipeline.stages", "pipeline.benchmarks", "pipeline.experiments", "pipeline.__main__",
+           "pipeline.heads.__main__")
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'library -> stage or driver' imports: layers must point one way (stages call library code)."""
+    def is_driver(m: str) -> bool:
+        return any(m == d or m.startswith(d + ".") for d in DRIVERS)
+
+    return sorted(f"{m} imports {n}" for m, deps in graph.items() if not is_driver(m)
+                  for n in deps if is_driver(n) and n != "pipeline.graph" or n.startswith("pipeline.stages"))
+
+
+def test_library_code_never_imports_a_stage_or_a_benchmark() -> None:
+    graph = _graph()
+    assert "pipeline.loaders" in graph and "pipeline.timing.step_cost" in graph
+    assert not _upward_imports(graph), _upward_imports(graph)
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    graph = {"pipeline.loaders": {"pipeline.stages.model"}, "pipeline.rollout": {"pipeline.benchmarks.cost_curve"},
+             "pipeline.stages.model": {"pipeline.model"}, "pipeline.benchmarks.cost_curve": {"pipeline.timing.curves"}}
+    assert _upward_imports(graph) == ["pipeline.loaders imports pipeline.stages.model",
+                                      "pipeline.rollout imports pipeline.benchmarks.cost_curve"]
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.benchmarks.policy_headroom import best_table_rate, walk_rate
+from pipeline.experiments.policy_headroom import best_table_rate, walk_rate
 from pipeline.replay import oracle_schedule
 
 

@@ -24,7 +24,8 @@ from pipeline.prepare import (
     render_prompt,
 )
 
-TASKS = ("humaneval", "gsm8k", "sharegpt")
+from pipeline.schema import TRAIN_TASKS as TASKS
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

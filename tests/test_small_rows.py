@@ -1,7 +1,14 @@
 """The small-row CPU kernel (runtime.small_rows): right products and norms, each row's result
-independent of the row count, and runtime.model using it only where it applies."""
+independent of the row count, runtime.model using it only where it applies, and the kernel built at
+install time: its identity (`kernel_id`), a stale build refused, a missing one explained."""
 
 from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +17,12 @@ import torch.nn.functional as F
 from runtime import model as model_mod
 from runtime import small_rows
 
-pytestmark = pytest.mark.skipif(not small_rows.available(),
-                                reason=f"small-row kernel unavailable: {small_rows.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not small_rows.available(),
+                                  reason=f"small-row kernel unavailable: {small_rows.unavailable_reason()}")
 
 
 # K not a multiple of the kernel's k block (64) or of 8; N not a multiple of the 16-row panel
+@needs_kernel
 @pytest.mark.parametrize("n_out,k_in", [(48, 64), (100, 37), (16, 200), (33, 576)])
 def test_product_matches_torch_and_each_row_ignores_the_row_count(n_out: int, k_in: int) -> None:
     g = torch.Generator().manual_seed(n_out * k_in)
@@ -33,6 +41,7 @@ def test_product_matches_torch_and_each_row_ignores_the_row_count(n_out: int, k_
             assert torch.equal(got[i:i + 1], singles[i]), (rows, i)
 
 
+@needs_kernel
 @pytest.mark.skipif(small_rows.available() and "avx512f" not in small_rows._cpu_flags(), reason="no AVX-512 here")
 def test_avx512_products_are_bit_identical_to_avx2() -> None:
     # 7 and 3 panels: the odd last panel takes the AVX2 kernel; 1..30 rows: every wide micro-kernel
@@ -52,6 +61,7 @@ def test_avx512_products_are_bit_identical_to_avx2() -> None:
         small_rows.set_isa("sse")
 
 
+@needs_kernel
 def test_rms_norm_matches_torch_and_each_row_ignores_the_row_count() -> None:
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 5, 77, generator=g), torch.randn(77, generator=g)
@@ -60,6 +70,7 @@ def test_rms_norm_matches_torch_and_each_row_ignores_the_row_count() -> None:
     assert torch.equal(y[1, 3], small_rows.rms_norm(x[1, 3:4], w, 1e-5)[0])
 
 
+@needs_kernel
 def test_wrong_inputs_are_refused_with_what_was_given() -> None:
     packed = small_rows.pack(torch.randn(16, 8))
     with pytest.raises(ValueError, match="float32"):
@@ -70,6 +81,7 @@ def test_wrong_inputs_are_refused_with_what_was_given() -> None:
         small_rows.pack(torch.randn(16, 8).to(torch.bfloat16))
 
 
+@needs_kernel
 def test_linear_uses_the_kernel_for_inference_and_torch_under_autograd() -> None:
     torch.manual_seed(0)
     lin = model_mod.Linear(40, 24, bias=True)
@@ -107,6 +119,7 @@ def test_a_disabled_kernel_says_why_and_linear_falls_back(monkeypatch: pytest.Mo
 
 # (head dim, committed slots): the kernel scores 8 keys per pass and keeps 64 output lanes in
 # registers, with scalar tails for what is left (a head dim not a multiple of 8, a list of < 8 keys)
+@needs_kernel
 @pytest.mark.parametrize("dim,prefix", [(24, 13), (64, 29), (60, 21), (128, 37)])
 def test_attention_matches_softmax_and_ignores_row_count_and_key_placement(dim: int, prefix: int) -> None:
     g = torch.Generator().manual_seed(1)
@@ -132,3 +145,62 @@ def test_attention_matches_softmax_and_ignores_row_count_and_key_placement(dim: 
     k2[:, moved_to], v2[:, moved_to] = k[:, lists[3]], v[:, lists[3]]
     moved = small_rows.attention(q[3:], k2, v2, prefix, torch.tensor([0, 3]), torch.tensor(moved_to), 3, dim ** -0.5)
     assert torch.equal(moved[0], out[3])
+
+
+def _fresh(code: str, **env: str) -> str:
+    """Run `code` in a fresh interpreter (fresh module state) and return what it printed."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _reset_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in [("_probed", False), ("_lib", None), ("_reason", None), ("_source_sha", None)]:
+        monkeypatch.setattr(small_rows, name, value)
+
+
+def test_kernel_id_is_none_when_disabled_and_names_the_isa_and_source_otherwise() -> None:
+    kid, reason = _fresh("from runtime import small_rows as s; print(s.kernel_id()); print(s.unavailable_reason())",
+                         ENTMTP_SMALL_ROWS="0").splitlines()
+    assert kid == "none" and "ENTMTP_SMALL_ROWS=0" in reason
+    if not small_rows.available():
+        assert small_rows.kernel_id() == "none"
+        return
+    sha = hashlib.sha256(small_rows._SOURCE.read_bytes()).hexdigest()
+    assert small_rows.kernel_id() == f"small_rows-{small_rows.isa()}-{sha[:12]}"
+    try:
+        small_rows.set_isa("avx2")
+        assert small_rows.kernel_id() == f"small_rows-avx2-{sha[:12]}"
+    finally:
+        small_rows.set_isa("auto")
+    assert _fresh("from runtime import small_rows as s; print(s.kernel_id())", ENTMTP_SMALL_ROWS_ISA="avx2") \
+        == f"small_rows-avx2-{sha[:12]}"
+
+
+@needs_kernel
+def test_a_build_older_than_its_source_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    edited = tmp_path / "small_rows.c"  # the source as if edited (or pulled) after the install built the kernel
+    edited.write_bytes(small_rows._SOURCE.read_bytes() + b"\n/* edited */\n")
+    monkeypatch.setattr(small_rows, "_SOURCE", edited)
+    _reset_probe(monkeypatch)
+    with pytest.warns(UserWarning, match="stale build"):
+        assert not small_rows.available()
+    reason = small_rows.unavailable_reason() or ""
+    assert "stale build" in reason and "reinstall" in reason and "make install" in reason, reason
+    assert small_rows.kernel_id() == "none"
+    lin = model_mod.Linear(16, 8, bias=False)
+    lin.add_fast_paths()
+    assert lin.weight_packed is None  # torch's products
+
+
+def test_a_kernel_not_built_at_install_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ENTMTP_SMALL_ROWS", raising=False)
+    monkeypatch.setattr(small_rows, "_EXTENSION", "runtime._no_such_kernel")
+    monkeypatch.setattr(small_rows, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(small_rows.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(small_rows.platform, "machine", lambda: "x86_64")
+    _reset_probe(monkeypatch)
+    assert not small_rows.available() and small_rows.kernel_id() == "none"
+    reason = small_rows.unavailable_reason() or ""
+    assert "runtime/_no_such_kernel*.so was not built at install time" in reason and "C compiler" in reason, reason

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.step_cost import (StepCostModel, chains_tree, cost_contexts, fill_cache, fit_fixed, level_widths,
+from pipeline.timing.step_cost import (StepCostModel, chains_tree, cost_contexts, fill_cache, fit_fixed, level_widths,
                                 measure_step_cost, nondecreasing, paired_medians, phase_corrected, phase_probe,
                                 step_clock, time_forward)
-from pipeline.timing import early_margin, prune_by_cost
+from pipeline.timing.checks import early_margin, prune_by_cost
 from runtime.tree import Tree
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -156,7 +156,7 @@ def test_the_early_model_prunes_only_what_cannot_pay_even_twice_discounted() -> 
 
 
 def test_prune_again_marks_what_the_final_model_prunes_and_keeps_earlier_reasons() -> None:
-    from pipeline.timing import prune_again
+    from pipeline.timing.checks import prune_again
 
     entries = [{"tokens_per_step": 1.0, "step_ms": 30.0}, {"tokens_per_step": 1.5, "step_ms": 32.0},
                {"tokens_per_step": 1.6, "step_ms": 60.0, "measured_step_ms": 61.0},
@@ -206,7 +206,7 @@ def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest f
 def _timing(rng: np.random.Generator, noise: float) -> dict:
     """A timing.json as the time stage writes it: modeled step_ms (the bank's input) plus measured
     figures that scatter around them by `noise`."""
-    from pipeline.timing import e2e_tokens_per_second
+    from pipeline.timing.checks import e2e_tokens_per_second
 
     trees = []
     for paths, tps in [([], 1.0), ([[0]], 1.5), ([[0], [0, 0]], 1.8), ([[0], [1], [0, 0]], 1.9),
@@ -222,7 +222,7 @@ def _timing(rng: np.random.Generator, noise: float) -> dict:
 
 
 def test_bank_members_are_deterministic_and_follow_the_model() -> None:
-    from pipeline.bank import bank_members
+    from pipeline.bank.selection import bank_members
     from tests.helpers import synthetic_rollouts
 
     rollouts = synthetic_rollouts(n_prompts=3, length=48, depth=4)
@@ -233,7 +233,7 @@ def test_bank_members_are_deterministic_and_follow_the_model() -> None:
         picks.append((bank_members(cands, rollouts, "oracle"), bank_members(cands, rollouts, "hull")))
     assert picks[0] == picks[1] == picks[2]
     # the modeled figures decide: the largest tree made cheap in the model joins the hull
-    from pipeline.timing import e2e_tokens_per_second
+    from pipeline.timing.checks import e2e_tokens_per_second
 
     cands = _timing(np.random.default_rng(1), noise=0.0)["trees"]
     assert len(cands) - 1 not in picks[0][1]
@@ -341,7 +341,7 @@ def test_in_situ_scales_draft_and_verify_but_not_the_fixed_part() -> None:
 
 
 def test_tree_timer_gives_ratios_to_its_phase_probes_only_when_asked(bundle) -> None:  # noqa: ANN001
-    from pipeline.timing import TreeTimer
+    from pipeline.timing.checks import TreeTimer
     from runtime.heads import load_heads
     from runtime.decoder import TreeDecoder
     from runtime.model import load_model

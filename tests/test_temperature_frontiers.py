@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from pipeline.benchmarks.temperature_frontiers import compose_cfg, frontier_rows, plot, summary_markdown
+from pipeline.experiments.temperature_frontiers import compose_cfg, frontier_rows, plot, summary_markdown
 from pipeline.paths import Layout
 
 DOC = {"frontier": {

@@ -14,11 +14,11 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_bytes
 from pipeline.paths import Layout, default_model_name
+from pipeline.schema import TRAIN_TASKS as TASKS  # noqa: F401 - the benchmarks' default tasks
 
 REPORT_DIR = Path("artifacts") / "reports" / "benchmarks"
 # the converted folder of the config's default model
 DEFAULT_MODEL_DIR = Layout.for_model("artifacts", default_model_name()).model_dir
-TASKS = ("humaneval", "gsm8k", "sharegpt")
 
 
 def task_prompts(model_dir: str | Path, tasks: tuple[str, ...] | list[str], n_per_task: int,

@@ -17,74 +17,15 @@ from __future__ import annotations
 import argparse
 import io
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
-from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
-from pipeline.step_cost import fill_cache, time_forward
-from runtime.device import clock
-from runtime.model import Transformer, load_model
-
-WARMUP = 2
-
-
-def _check(models: dict[str, Transformer], sizes: Sequence[int], contexts: Sequence[int], repeats: int) -> None:
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"sizes must be positive token counts, got {list(sizes)}")
-    if not contexts or min(contexts) < 0:
-        raise ValueError(f"contexts must be non-negative lengths, got {list(contexts)}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    need = max(contexts) + max(sizes)
-    for name, m in models.items():
-        if m.max_seq_len < need:
-            raise ValueError(f"model {name!r} has a KV cache of {m.max_seq_len} positions; the largest context + "
-                             f"size needs {need}: load it with max_seq_len >= {need}")
-
-
-@torch.inference_mode()
-def measure_cost_curves(models: dict[str, Transformer], sizes: Sequence[int], contexts: Sequence[int],
-                        repeats: int) -> list[dict[str, Any]]:
-    """Like `measure_cost_curve` for several models (e.g. one per dtype), with their calls interleaved.
-    Rows carry the model's name under "model"."""
-    _check(models, sizes, contexts, repeats)
-    times: dict[tuple[str, int, int], list[float]] = {}
-    gen = torch.Generator().manual_seed(1)
-    for ctx in sorted(contexts):
-        for m in models.values():
-            fill_cache(m, ctx, torch.Generator().manual_seed(ctx))
-        for rep in range(WARMUP + repeats):
-            for name, m in models.items():
-                for n in sizes:
-                    # causal over the new tokens (a tree mask costs the same), passed as a verify
-                    # passes its mask, so that a row-invariant model times its verify path
-                    dt = time_forward(m, ctx, n, gen, lambda: clock(m.device))
-                    if rep >= WARMUP:
-                        times.setdefault((name, ctx, n), []).append(dt)
-    rows = []
-    for (name, ctx, n), ts in times.items():
-        m = models[name]
-        rows.append({"model": name, "dtype": str(m.dtype).removeprefix("torch."), "context": ctx, "new_tokens": n,
-                     "median_ms": round(1e3 * median(ts), 3), "min_ms": round(1e3 * min(ts), 3), "repeats": len(ts)})
-    for m in models.values():
-        m.reset_cache()
-    return sorted(rows, key=lambda r: (r["model"], r["context"], r["new_tokens"]))
-
-
-def measure_cost_curve(model: Transformer, sizes: Sequence[int], contexts: Sequence[int],
-                       repeats: int) -> list[dict[str, Any]]:
-    """Latency of one forward with n new tokens on top of a committed context of c positions, for
-    every n in `sizes` and c in `contexts`: rows {dtype, context, new_tokens, median_ms, min_ms,
-    repeats}. The model's cache must hold max(contexts) + max(sizes); it is left empty."""
-    rows = measure_cost_curves({"model": model}, sizes, contexts, repeats)
-    for r in rows:
-        del r["model"]
-    return rows
-
+from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, write_csv
+from pipeline.timing.curves import measure_cost_curves
+from runtime.model import load_model
 
 def _lookup(rows: list[dict[str, Any]], stat: str = "median_ms") -> dict[tuple[str, int, int], float]:
     return {(r["dtype"], r["context"], r["new_tokens"]): r[stat] for r in rows}

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from pipeline.artifacts import atomic_write_bytes, machine_info
 from pipeline.paths import Layout, default_model_name
 from pipeline.prepare import read_split
+from pipeline.schema import TRAIN_TASKS
 from runtime.decoder import TreeDecoder
 from runtime.device import clock
 from runtime.generate import ar_generate
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=str(default.model_dir))
     ap.add_argument("--heads-root", default=str(default.heads_dir("")), help="the folder holding one folder per heads kind")
     ap.add_argument("--data", default=str(ROOT / "data"))
-    ap.add_argument("--tasks", nargs="+", default=["humaneval", "gsm8k", "sharegpt"])
+    ap.add_argument("--tasks", nargs="+", default=list(TRAIN_TASKS))
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

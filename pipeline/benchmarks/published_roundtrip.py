@@ -52,7 +52,7 @@ def export_shipped(root: Path, model_name: str) -> tuple[Path, Path]:
     """(shipped heads folder, its published-layout export under `root`), exported once."""
     import torch
 
-    from pipeline.heads_import import export_published_hydra
+    from pipeline.heads.published import export_published_hydra
     from runtime.heads import load_heads
     from runtime.model import load_model
 
@@ -94,7 +94,7 @@ def _decoded(recal: dict) -> list[dict]:
 def build_both_banks(root: Path, cfg_a, cfg_b, time_dir: Path) -> dict[str, Any]:  # noqa: ANN001 - DictConfigs
     """Both banks from the one timing file; their trees, best static tree and policies compared."""
     from pipeline.artifacts import read_json
-    from pipeline.bank import build_bank
+    from pipeline.bank.build import build_bank
     from pipeline.stages import bank as bank_stage
     from pipeline.stages import grow as grow_stage
     from pipeline.stages import merge as merge_stage

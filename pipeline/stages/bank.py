@@ -12,7 +12,6 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import MANIFEST, read_json, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
-from pipeline.loaders import runtime_key
 from pipeline.paths import Layout
 from pipeline.stages import grow as grow_stage
 from pipeline.stages import heads as heads_stage
@@ -20,6 +19,7 @@ from pipeline.stages import merge as merge_stage
 from pipeline.stages import model as model_stage
 from pipeline.stages import recalibrate as recalibrate_stage
 from pipeline.stages import time as time_stage
+from pipeline.stages.inputs import runtime_key
 from pipeline.stages.rollout import calib_rows
 from pipeline.stages.prepare import rows_hash
 
@@ -50,7 +50,7 @@ def output(cfg: DictConfig) -> Path:
            "rollout": output_digest(rollout_dir)}
 
     def build(tmp: Path) -> dict[str, Any]:
-        from pipeline.bank import build_bank  # matplotlib: only when the bank is (re)built
+        from pipeline.bank.build import build_bank  # matplotlib: only when the bank is (re)built
 
         rk = runtime_key(cfg)
         return build_bank(
@@ -70,6 +70,8 @@ def output(cfg: DictConfig) -> Path:
                 "calib_hash": rows_hash(calib_rows(cfg)), "dtype": rk["dtype"],
                 # the arithmetic its figures were measured in (runtime.api.EntMTP.load uses it by default)
                 "lossless": str(cfg.lossless), "invariant_rows": rk.get("invariant_rows"),
+                # the CPU kernels its arithmetic ran through (`runtime.small_rows.kernel_id`), or "none"
+                "kernel": rk["kernel"],
                 "machine": read_json(time_dir / "timing.json")["machine"], "config": _bank_config(cfg),
             },
         )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.graph import TRAIN_TASKS
+from pipeline.schema import TRAIN_TASKS
 from pipeline.paths import Layout
 
 READS = ()

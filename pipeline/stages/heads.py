@@ -3,7 +3,7 @@
 pools the training mix reads. Its key (head shape, `heads.train`, the training rows' content,
 the model's fingerprint) is built in `pipeline.heads.build.train_heads`. With
 `heads.draft_vocab.size` the stage then derives heads drafting over a frequency-ranked vocabulary
-(`pipeline.draft_vocab`), and every later stage uses those."""
+(`pipeline.heads.draft_vocab`), and every later stage uses those."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def output(cfg: DictConfig) -> Path:
     full = _full_heads(cfg, model_dir, lay)
     if not dv.size:
         return full
-    from pipeline.draft_vocab import FrequencySettings, derive_draft_vocab_heads
+    from pipeline.heads.draft_vocab import FrequencySettings, derive_draft_vocab_heads
 
     s = FrequencySettings(tasks=list(train.tasks), prompts_per_task=int(dv.prompts_per_task),
                           max_new_tokens=int(dv.max_new_tokens))
@@ -48,7 +48,7 @@ def output(cfg: DictConfig) -> Path:
 def _full_heads(cfg: DictConfig, model_dir: Path, lay: Layout) -> Path:
     """The full-vocabulary heads: `heads.dir`, or heads trained for this model."""
     if cfg.heads.dir:
-        from pipeline.heads_import import import_heads
+        from pipeline.heads.published import import_heads
 
         # project-format heads are used as they are; published Hydra/Hydra++/Medusa folders are
         # converted once into artifacts/heads/<model>/<name>/ (with the source's checksum)

@@ -10,10 +10,11 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
-from pipeline.loaders import runtime_key, sampler_from_cfg, tree_decoder
+from pipeline.loaders import sampler_from_cfg, tree_decoder
 from pipeline.paths import Layout
 from pipeline.stages import grow as grow_stage
 from pipeline.stages import merge as merge_stage
+from pipeline.stages.inputs import runtime_key, runtime_spec
 from pipeline.stages.prepare import rows_hash, split_rows
 
 READS = ("profile.recalib_prompts", "profile.max_new_tokens", "profile.rank_cap", "sampling", "acceptance",
@@ -33,9 +34,9 @@ def output(cfg: DictConfig) -> Path:
 
         cands = grow_stage.candidate_trees(cfg)
         rollouts = {r["id"]: r for r in load_rollout(rollout_dir)}
-        dec = tree_decoder(cfg, [c["tree"] for c in cands])
+        dec = tree_decoder(runtime_spec(cfg), [c["tree"] for c in cands], cfg.acceptance)
         res = recalibrate(dec, [c["tree"] for c in cands], rows, rollouts, int(cfg.profile.max_new_tokens),
-                          int(cfg.profile.rank_cap), sampler=sampler_from_cfg(cfg))
+                          int(cfg.profile.rank_cap), sampler=sampler_from_cfg(cfg.sampling))
         for c, r in zip(cands, res):
             r["paths"] = [list(p) for p in c["tree"].paths]
             r["nodes"] = c["tree"].num_nodes

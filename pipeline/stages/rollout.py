@@ -10,8 +10,9 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import run_stage
 from pipeline.graph import config_key, forced, once_per_config
-from pipeline.loaders import load_runtime, runtime_key, sampler_from_cfg
+from pipeline.loaders import load_runtime, sampler_from_cfg
 from pipeline.paths import Layout
+from pipeline.stages.inputs import runtime_key, runtime_spec
 from pipeline.stages.prepare import rows_hash, split_rows
 
 # what the rollout's content depends on (the shard fields only say which part of it this is)
@@ -38,8 +39,8 @@ def output(cfg: DictConfig) -> Path:
     key = {**content_key(cfg), **config_key(cfg, SHARD)}
 
     def build(tmp: Path) -> dict[str, Any]:
-        model, heads = load_runtime(cfg)
+        model, heads = load_runtime(runtime_spec(cfg))
         return run_rollout(model, heads, rows, int(cfg.profile.max_new_tokens), int(cfg.profile.rank_cap), tmp,
-                           desc=f"rollout {cfg.task.name} shard {shard}/{n}", sampler=sampler_from_cfg(cfg))
+                           desc=f"rollout {cfg.task.name} shard {shard}/{n}", sampler=sampler_from_cfg(cfg.sampling))
 
     return run_stage("rollout", out, key, build, force=forced(cfg, "rollout"))

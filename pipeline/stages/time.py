@@ -1,4 +1,4 @@
-"""time: a measured step-cost model of this machine (`pipeline.step_cost`), every candidate tree's
+"""time: a measured step-cost model of this machine (`pipeline.timing.step_cost`), every candidate tree's
 modeled step cost and the end-to-end tok/s it implies, checked against timed decodes of the trees
 that can pay for their cost (`time.prune` skips the others).
 
@@ -16,10 +16,12 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json, machine_info, machine_key, read_json, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
-from pipeline.loaders import resolve_dtype, runtime_key, sampler_from_cfg, tree_decoder
+from pipeline.loaders import sampler_from_cfg, tree_decoder
 from pipeline.paths import Layout
 from pipeline.stages import grow as grow_stage
 from pipeline.stages import recalibrate as recalibrate_stage
+from pipeline.stages.dtype import resolve_dtype
+from pipeline.stages.inputs import runtime_key, runtime_spec
 from pipeline.stages.prepare import rows_hash, split_rows
 
 READS = ("time", "profile.timing_prompts", "profile.calib_prompts", "profile.max_new_tokens", "sampling", "acceptance", *grow_stage.CANDIDATES)
@@ -40,8 +42,8 @@ def output(cfg: DictConfig) -> Path:
         key["recalibrate"] = output_digest(recal_dir)
 
     def build(tmp: Path) -> dict[str, Any]:
-        from pipeline.step_cost import cost_contexts, tree_entries
-        from pipeline.timing import e2e_tokens_per_second, measure_and_check, prune_again, time_head_chain
+        from pipeline.timing.step_cost import cost_contexts, tree_entries
+        from pipeline.timing.checks import e2e_tokens_per_second, measure_and_check, prune_again, time_head_chain
         from runtime.decoder import HEAD_SIGNALS
         from runtime.tree import Tree
         from tqdm.auto import tqdm
@@ -54,8 +56,8 @@ def output(cfg: DictConfig) -> Path:
             real = {Tree(r["paths"]): r["real_tokens_per_step"] for r in read_json(recal_dir / "recalibrate.json")["trees"]}
             per_tree_tps = [real[c["tree"]] for c in cands]
         n_new = int(cfg.profile.max_new_tokens)
-        dec = tree_decoder(cfg, [c["tree"] for c in cands])
-        sampler = sampler_from_cfg(cfg)
+        dec = tree_decoder(runtime_spec(cfg), [c["tree"] for c in cands], cfg.acceptance)
+        sampler = sampler_from_cfg(cfg.sampling)
         prompt_len = statistics.median(len(r["input_ids"]) for r in rows)
         contexts, ref_ctx, check_ctx = cost_contexts(prompt_len, task_prompt_tokens, n_new, int(tc.new_tokens))
         bar = tqdm(total=1, desc="step-cost model + timed decodes", unit="run")

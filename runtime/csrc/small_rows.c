@@ -349,3 +349,10 @@ void small_rows_attention(const float *q, const float *k, const float *v, int64_
     free((void *)at);
     }
 }
+
+/* The sha256 of this file as it was compiled (setup.py passes it): runtime/small_rows.py compares it
+ * with the installed source and refuses a stale build. */
+#ifndef SMALL_ROWS_SOURCE_SHA
+#define SMALL_ROWS_SOURCE_SHA "unknown"
+#endif
+const char *small_rows_source_sha(void) { return SMALL_ROWS_SOURCE_SHA; }

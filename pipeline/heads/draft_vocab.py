@@ -16,7 +16,7 @@ so a smaller V_d only trades acceptance (rare tokens) for drafting time.
 3. `write_draft_vocab_heads`: a heads folder = the full-vocabulary heads' weights + the V_d top ids
    (`draft_ids`, most frequent first) + provenance in the manifest.
 
-    python -m pipeline.draft_vocab --sizes 2048 4096 8192 16384 [--kinds hydra medusa]
+    python -m pipeline.heads.draft_vocab --sizes 2048 4096 8192 16384 [--kinds hydra medusa]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 from pipeline.paths import Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, hash_obj, run_stage
 from pipeline.model import model_fingerprint
+from pipeline.schema import TRAIN_TASKS
 from runtime.config import CONFIG_FILE, DRAFT_DTYPES, WEIGHTS_FILE, HeadsConfig
 
 if TYPE_CHECKING:  # torch is imported where heads are built: an up-to-date check reads checksums only
@@ -54,7 +55,7 @@ CANDIDATE_WEIGHT = 1e-3
 
 @dataclass
 class FrequencySettings:
-    tasks: list[str] = field(default_factory=lambda: ["humaneval", "gsm8k", "sharegpt"])
+    tasks: list[str] = field(default_factory=lambda: list(TRAIN_TASKS))
     prompts_per_task: int = 64        # from each task's train pool (all of it when smaller), seeded
     max_new_tokens: int = 128         # length of each greedy continuation
     max_prompt_tokens: int = 512      # longer prompts are skipped (prefill would dominate)
@@ -169,13 +170,13 @@ def read_frequencies(folder: str | Path, vocab_size: int | None = None) -> dict[
     """emitted, candidate_mass and ranking of a `token_frequencies` folder, validated."""
     path = Path(folder) / FREQ_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: build it with `python -m pipeline.draft_vocab`")
+        raise FileNotFoundError(f"{path} not found: build it with `python -m pipeline.heads.draft_vocab`")
     from safetensors.numpy import load_file
 
     t = load_file(str(path))
     missing = sorted({"emitted", "candidate_mass", "ranking"} - set(t))
     if missing:
-        raise ValueError(f"{path} lacks {missing}; rebuild it with `python -m pipeline.draft_vocab --force`")
+        raise ValueError(f"{path} lacks {missing}; rebuild it with `python -m pipeline.heads.draft_vocab --force`")
     v = len(t["emitted"])
     if vocab_size is not None and v != vocab_size:
         raise ValueError(f"{path} counts {v} ids but the model has {vocab_size}: the frequencies belong to another model")
@@ -270,7 +271,7 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
 def check_shared_output(folder: str | Path) -> None:
     """Refuse heads whose output layers are their own (published Hydra/Hydra++/Medusa folders, or
     project heads with output own/draft): a draft vocabulary restricts the base lm_head they share."""
-    from pipeline.heads_import import heads_folder_kind
+    from pipeline.heads.published import heads_folder_kind
 
     folder = Path(folder)
     kind = heads_folder_kind(folder)

@@ -1,6 +1,6 @@
 """Training changes for the draft heads, each against the baseline recipe at one reduced scale.
 
-    python -m pipeline.benchmarks.heads_ablation [--kind hydra] [--train-prompts 96]
+    python -m pipeline.experiments.heads_ablation [--kind hydra] [--train-prompts 96]
         [--holdout-per-task 10] [--new-tokens 128] [--variants baseline sampled rank ttt sampled_8ep ...] [--seeds 0 1]
 
 Every variant trains heads of `conf/heads/<kind>.yaml` on the same self-distilled continuations of
@@ -35,7 +35,7 @@ import torch
 
 from pipeline.artifacts import atomic_write_json, hash_obj, machine_info, read_json
 from pipeline.benchmarks import write_csv
-from pipeline.benchmarks.draft_vocab_sweep import REPLAY_TREES
+from pipeline.experiments.draft_vocab_sweep import REPLAY_TREES
 from pipeline.heads.build import heads_config_for
 from pipeline.heads.distill import build_selfdistill
 from pipeline.heads.mix import read_train_rows, select_prompts

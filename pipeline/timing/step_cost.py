@@ -25,7 +25,7 @@ draft and fixed measurement is taken as a ratio to a *phase probe* timed right a
 of `PHASE_FORWARDS` one-row forwards) and scaled back by the run's median probe; the verify grid
 is paired within each pass to its one-row cell, the probe's own forward (`paired_medians`), and
 scaled by the same median, so that every part of the model stands at one speed. The timed decodes
-that check the model are probed alike (`pipeline.timing.TreeTimer`), so the check compares what
+that check the model are probed alike (`pipeline.timing.checks.TreeTimer`), so the check compares what
 the model claims, a step's cost at the run's median speed, with a decode brought to that speed.
 The model is what the time stage, pruning, bank selection and policy fitting use, so every
 candidate tree has a cost without decoding it; timed decodes of a few trees check it

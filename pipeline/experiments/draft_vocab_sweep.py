@@ -1,9 +1,9 @@
 """Draft vocabulary size and drafting arithmetic: what they cost and what they lose, side by side.
 
-    python -m pipeline.benchmarks.draft_vocab_sweep [--sizes 2048 4096 8192 16384 49152]
+    python -m pipeline.experiments.draft_vocab_sweep [--sizes 2048 4096 8192 16384 49152]
         [--kinds hydra medusa] [--arithmetics float32 bfloat16 int8] [--calib-prompts 4]
 
-For every heads kind, draft vocabulary size V_d (the frequency ranking of `pipeline.draft_vocab`,
+For every heads kind, draft vocabulary size V_d (the frequency ranking of `pipeline.heads.draft_vocab`,
 built from train prompts only) and drafting arithmetic:
 
 * quality, per task, on the model's own greedy continuations of a few *calib* prompts (used here
@@ -37,7 +37,8 @@ import torch
 from pipeline.paths import Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import median, write_csv
-from pipeline.draft_vocab import FrequencySettings, draft_vocab_heads, read_frequencies, token_frequencies
+from pipeline.schema import TRAIN_TASKS
+from pipeline.heads.draft_vocab import FrequencySettings, draft_vocab_heads, read_frequencies, token_frequencies
 from pipeline.prepare import read_split
 from pipeline.replay import replay_tokens_per_step
 from runtime.decoder import TreeDecoder
@@ -136,7 +137,7 @@ def quality_rows(model: Transformer, kind: str, full: DraftHeads, ranking: np.nd
 def timing_rows(model: Transformer, variants: dict[tuple[str, int, str], DraftHeads], h: torch.Tensor,
                 context: int, repeats: int) -> list[dict[str, Any]]:
     """Interleaved medians: heads.propose on chains of depth 1..D per variant, one-token forwards."""
-    from pipeline.step_cost import fill_cache
+    from pipeline.timing.step_cost import fill_cache
 
     chains = {d: TreeBuffers.compile(Tree.chain(d)) for d in range(1, 5)}
     samples: dict[Any, list[float]] = {}
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kinds", nargs="+", default=["hydra", "medusa"])
     ap.add_argument("--sizes", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 49152])
     ap.add_argument("--arithmetics", nargs="+", default=["float32", "bfloat16", "int8"])
-    ap.add_argument("--tasks", nargs="+", default=["humaneval", "gsm8k", "sharegpt"])
+    ap.add_argument("--tasks", nargs="+", default=list(TRAIN_TASKS))
     ap.add_argument("--calib-prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=15)
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--e2e-tokens", type=int, default=64)
     ap.add_argument("--freq-prompts-per-task", type=int, default=FrequencySettings.prompts_per_task)
     ap.add_argument("--freq-new-tokens", type=int, default=FrequencySettings.max_new_tokens)
-    ap.add_argument("--freq", default=None, help="a `pipeline.draft_vocab` frequencies folder (default: build/reuse it)")
+    ap.add_argument("--freq", default=None, help="a `pipeline.heads.draft_vocab` frequencies folder (default: build/reuse it)")
     ap.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                     help="cpu: the process's CPU time (use with --threads 1 on a shared machine)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: load_model's choice)")

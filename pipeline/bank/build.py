@@ -1,4 +1,4 @@
-"""Bank stage: the throughput hull of the timed frontier, fitted policies, oracle bound, plots."""
+"""Building a TopologyBank: its trees (`pipeline.bank.selection`), fitted policies, oracle bound, plots."""
 
 from __future__ import annotations
 
@@ -12,35 +12,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.rollout import load_rollout  # noqa: E402
-from pipeline.timing import throughput_hull  # noqa: E402
+from pipeline.bank.selection import bank_members, throughput_hull  # noqa: E402
 from runtime.bank import TopologyBank  # noqa: E402
 from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
-
-
-MEMBERS = ("hull", "oracle")
-
-
-def bank_members(cands: list[dict], rollouts: list[dict], members: str = "oracle",
-                 min_oracle_share: float = 0.02) -> list[int]:
-    """Indices (ordered by size) of the timed candidate trees that go into the bank.
-
-    "hull" is the paper's rule: a tree stays only if it is faster end to end than every smaller
-    tree. "oracle" adds every tree that the per-step oracle (best tree in hindsight, replayed with
-    the measured step costs) picks on at least `min_oracle_share` of the calibration steps: a tree
-    that loses on average can still win on the confident steps, and only a tree in the bank can
-    be switched to. Where the hull already holds those trees, both rules give the same bank."""
-    from pipeline.replay import oracle_replay
-
-    if members not in MEMBERS:
-        raise ValueError(f"bank members {members!r}: choose one of {MEMBERS}")
-    hull = throughput_hull([c["nodes"] for c in cands], [c["tok_per_s"] for c in cands])
-    if members == "hull":
-        return hull
-    share = oracle_replay(rollouts, [Tree(c["paths"]).paths for c in cands],
-                          [c["step_ms"] / 1000 for c in cands]).summary()["tree_share"]
-    keep = set(hull) | {k for k, s in enumerate(share) if s >= min_oracle_share}
-    return sorted(keep, key=lambda k: (cands[k]["nodes"], cands[k]["depth"]))
 
 
 def build_bank(

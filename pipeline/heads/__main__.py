@@ -1,4 +1,4 @@
-"""`python -m pipeline.train_heads hydra medusa [overrides]`: train several kinds of heads in a row.
+"""`python -m pipeline.heads hydra medusa [overrides]`: train several kinds of heads in a row.
 
 Each name is a file of `conf/heads/`; the config is composed exactly as for
 `python -m pipeline stage=heads heads=<name> [overrides]` (same schema, defaults and overrides,
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--force" in args:  # the flag of earlier versions
         overrides.append("force=true")
     if not names:
-        raise SystemExit(f"usage: python -m pipeline.train_heads NAME [NAME ...] [key=value ...]; "
+        raise SystemExit(f"usage: python -m pipeline.heads NAME [NAME ...] [key=value ...]; "
                          f"NAME is a file of {CONF_DIR / 'heads'}")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     for name in names:

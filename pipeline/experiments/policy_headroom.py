@@ -1,6 +1,6 @@
 """How close can any per-step policy come to the oracle over a bank? Bounds by what the policy knows.
 
-    python -m pipeline.benchmarks.policy_headroom [--tasks humaneval gsm8k sharegpt] [--heads hydra-draft8192]
+    python -m pipeline.experiments.policy_headroom [--tasks humaneval gsm8k sharegpt] [--heads hydra-draft8192]
 
 The oracle over a bank picks each step's tree knowing every tree's accepted length at that step.
 A policy sees, before the step, a few numbers (the base model's top-1 probability p0 and entropy,

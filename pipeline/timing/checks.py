@@ -1,6 +1,6 @@
 """Time stage helpers: timed decodes of candidate trees, pruning by modeled cost, the throughput hull.
 
-The step cost the bank uses comes from `pipeline.step_cost` (a model measured from many short
+The step cost the bank uses comes from `pipeline.timing.step_cost` (a model measured from many short
 repeats); the timed decodes here (draft + verify + accept, warmed up, trees interleaved round by
 round, and the rounds spread over the model's own probe rounds, so that drift of a shared machine
 hits all alike) check it. End-to-end throughput per tree
@@ -33,7 +33,7 @@ class TreeTimer:
     (default: wall clock after a device synchronisation); a step lasts from one emitted batch of
     tokens to the next, the prefill from the call to the first token.
 
-    With `phase_context` set, a `pipeline.step_cost.phase_probe` at that context follows every
+    With `phase_context` set, a `pipeline.timing.step_cost.phase_probe` at that context follows every
     decode and AR run, and `result` also gives each figure as a ratio to it (what the step-cost
     model's check compares: the model's figures are the machine at its median probe)."""
 
@@ -62,7 +62,7 @@ class TreeTimer:
 
     def _probe(self) -> float:
         """A phase probe at `phase_context` (the cache cut back or filled up to it)."""
-        from pipeline.step_cost import fill_cache, phase_probe
+        from pipeline.timing.step_cost import fill_cache, phase_probe
 
         assert self.phase_context is not None
         model = self.decoder.model
@@ -136,7 +136,7 @@ def measure_and_check(
     of the probe rounds before the first check. Returns (model, the timer's result plus
     "after_probe_rounds": the probe rounds done before each check round, and
     "pruned_with_probe_rounds"). `bar`: a tqdm bar to advance."""
-    from pipeline.step_cost import StepCostModel, measure_step_cost, step_clock
+    from pipeline.timing.step_cost import StepCostModel, measure_step_cost, step_clock
 
     # check round j after probe round index after[j]
     after = [min(repeats, max(1, math.floor((j + 0.5) * repeats / rounds + 0.5))) - 1 for j in range(rounds)]
@@ -240,24 +240,3 @@ def time_head_chain(decoder: TreeDecoder, row: dict, repeats: int = 10) -> float
 def e2e_tokens_per_second(tokens_per_step: float, step_s: float, prefill_s: float, new_tokens: int) -> float:
     """Output tok/s of a `new_tokens` generation: the prefill yields the first token, then steps."""
     return new_tokens / (prefill_s + (new_tokens - 1) / tokens_per_step * step_s)
-
-
-def smallest_near_best(tok_per_s: list[float], tolerance: float) -> int:
-    """Index of the first (smallest, when ordered by size) entry within `tolerance` (a share) of
-    the highest: how the bank breaks near-ties (`bank.tie_tolerance`), so that two timings of
-    one machine, a few percent apart, pick the same tree."""
-    if not tok_per_s:
-        raise ValueError("no trees to choose from")
-    top = max(tok_per_s)
-    return next(k for k, v in enumerate(tok_per_s) if v >= (1 - tolerance) * top)
-
-
-def throughput_hull(nodes: list[int], tok_per_s: list[float]) -> list[int]:
-    """Indices kept by the paper's rule: a tree stays only if faster than every smaller tree."""
-    order = sorted(range(len(nodes)), key=lambda k: (nodes[k], -tok_per_s[k]))
-    keep, best = [], float("-inf")
-    for k in order:
-        if tok_per_s[k] > best:
-            keep.append(k)
-            best = tok_per_s[k]
-    return keep

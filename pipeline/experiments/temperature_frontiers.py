@@ -1,6 +1,6 @@
 """Acceptance frontiers of one task at several sampling temperatures, in one plot.
 
-    python -m pipeline.benchmarks.temperature_frontiers task=humaneval [--temperatures 0 0.7 1.0] [overrides]
+    python -m pipeline.experiments.temperature_frontiers task=humaneval [--temperatures 0 0.7 1.0] [overrides]
 
 For each temperature the config is composed as for `python -m pipeline stage=grow
 sampling.temperature=T [overrides]` and the grow stage runs through the pipeline graph (rollout
