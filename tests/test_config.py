@@ -1,20 +1,19 @@
 """Bad configuration fails at start-up (issue 7): exit status != 0, a message naming the setting and
 what to do, no artifacts written, and no long work done.
 
-The real CLI (`python -m pipeline ...`, a subprocess from the repo root) is run a few times with
-several bad settings at once (validation reports every problem, so one run checks many); each
+The real CLI (`python -m pipeline ...`'s module, a subprocess from the repo root) is run a few times
+with several bad settings at once (validation reports every problem, so one run checks many); each
 setting alone is checked in-process through hydra's compose API (fast), and once more through the
-CLI in the slow suite.
+CLI in the slow suite. "No long work" is checked without a clock: the CLI runs with the stage graph's
+entry (`pipeline.graph.stage_output`) replaced by a probe that reports any stage it is asked for.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -107,69 +106,85 @@ def test_fixed_policy_values_are_used_by_the_fitter() -> None:
 
 
 # ------------------------------------------------------------------------------ real CLI
-def _cli(args: list[str], tmp: Path) -> tuple[int, str, float, float]:
-    """Run the CLI; returns (status, stdout+stderr, wall s, child CPU s). CPU time is what shows
-    that no long work ran: the machine is shared, so wall time alone would be noisy."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *args, f"artifacts_dir={tmp}", f"data_dir={tmp}"],
+# `python -m pipeline <args>` (the same module, argv and hydra app), except that asking the stage
+# graph for any stage's output prints a marker and exits: a start-up that fails on the config must
+# fail before that, i.e. before any long work (loading a model, rollouts, timing)
+STARTUP_PROBE = """
+import runpy
+import pipeline.graph as graph
+def stage_started(name, cfg):
+    print(f"{MARKER}{name!r}", flush=True)
+    raise SystemExit(99)
+graph.stage_output = stage_started
+runpy.run_module("pipeline", run_name="__main__", alter_sys=True)
+"""
+STAGE_STARTED = "startup probe: stage started: "
+
+
+def _cli(args: list[str], tmp: Path) -> tuple[int, str]:
+    """Run the CLI under the start-up probe; returns (status, stdout+stderr)."""
+    probe = STARTUP_PROBE.replace("{MARKER}", STAGE_STARTED)
+    proc = subprocess.run([sys.executable, "-c", probe, *args, f"artifacts_dir={tmp}", f"data_dir={tmp}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HYDRA_FULL_ERROR": "0"})
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return proc.returncode, proc.stdout + proc.stderr, wall, cpu
+    return proc.returncode, proc.stdout + proc.stderr
 
 
-def _assert_failed_fast(tmp: Path, wall: float, cpu: float) -> None:
+def _assert_failed_fast(tmp: Path, out: str) -> None:
     # hydra writes its own run log under artifacts_dir/logs before the job starts; nothing else may exist
     written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and p.relative_to(tmp).parts[0] != "logs")
     assert written == [], f"a failed start-up wrote {written}"
-    assert cpu < 15.0, f"start-up validation used {cpu:.1f} s of CPU: long work ran before the check"
-    assert wall < 120.0, f"took {wall:.1f} s"
+    assert STAGE_STARTED not in out, f"a stage started before the config was refused: {out}"
+
+
+def test_the_startup_probe_sees_a_stage_start(tmp_path: Path) -> None:
+    """A valid config gets past validation to the stage graph, where the probe stops it (so the
+    probe's silence above means no stage started)."""
+    rc, out = _cli(["stage=merge", "model=local", f"model.path={_fake_model_dir(tmp_path)}"], tmp_path / "out")
+    assert rc == 99 and f"{STAGE_STARTED}'merge'" in out, out
 
 
 def test_cli_reports_every_bad_setting_at_once(tmp_path: Path) -> None:
     cases = ["unknown stage", "bad dtype", "budget < 1", "depth > heads", "shard >= num_shards", "tau_off > tau_on",
              "missing model folder"]
     args = [o for c in cases for o in BAD[c][0]]
-    rc, out, wall, cpu = _cli(args, tmp_path)
+    rc, out = _cli(args, tmp_path)
     assert rc != 0
     assert f"invalid configuration ({len(cases)} problems)" in out, out
     for c in cases:
         for w in BAD[c][1]:
             assert w in out, (c, w, out)
     assert "Traceback" not in out, out
-    _assert_failed_fast(tmp_path, wall, cpu)
+    _assert_failed_fast(tmp_path, out)
 
 
 def test_cli_ladder_thresholds(tmp_path: Path) -> None:
-    rc, out, wall, cpu = _cli([*BAD["ladder thresholds"][0], "stage=grow"], tmp_path)
+    rc, out = _cli([*BAD["ladder thresholds"][0], "stage=grow"], tmp_path)
     assert rc != 0 and all(w in out for w in BAD["ladder thresholds"][1]), out
-    _assert_failed_fast(tmp_path, wall, cpu)
+    _assert_failed_fast(tmp_path, out)
 
 
 @pytest.mark.parametrize("group,option,listed", [("task", "nope", ["humaneval", "gsm8k", "sharegpt"]),
                                                    ("policy", "nope", ["hysteresis", "ladder", "static"])])
 def test_cli_unknown_group_option_lists_the_choices(group: str, option: str, listed: list[str], tmp_path: Path) -> None:
     """Caught by hydra while composing (before our code runs); its message names the group and its options."""
-    rc, out, wall, cpu = _cli([f"{group}={option}"], tmp_path)
+    rc, out = _cli([f"{group}={option}"], tmp_path)
     assert rc != 0
     assert f"Could not find '{group}/{option}'" in out and f"Available options in '{group}'" in out, out
     for name in listed:
         assert name in out, out
-    _assert_failed_fast(tmp_path, wall, cpu)
+    _assert_failed_fast(tmp_path, out)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_cli_each_bad_setting_alone(case: str, tmp_path: Path) -> None:
     overrides, words = BAD[case]
-    rc, out, wall, cpu = _cli(overrides, tmp_path)
+    rc, out = _cli(overrides, tmp_path)
     assert rc != 0, out
     for w in words:
         assert w in out, (w, out)
-    _assert_failed_fast(tmp_path, wall, cpu)
+    _assert_failed_fast(tmp_path, out)
 
 
 def test_multirun_with_the_default_artifacts_dir(tmp_path: Path, smollm2_dir: Path) -> None:
@@ -228,3 +243,246 @@ def test_cfg_job_prints_the_whole_typed_config(tmp_path: Path) -> None:
     assert printed["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
     assert printed["model"]["chat_template"] is None and printed["heads"]["dir"] is None
     assert printed["grow"]["candidate_sizes"][0] == 0 and printed["bank"]["members"] == "oracle"
+
+
+# ------------------------------------------------------------------------------ every conf file
+# Each file under conf/<group>/ (and conf/hydra/launcher/) composed on its own, as `python -m pipeline
+# <group>=<name>` would, against the typed schema. Nothing here may download or build anything.
+GROUP_FILES = sorted(f"{p.parent.name}/{p.stem}" for p in CONF.glob("*/*.yaml") if p.parent.name != "hydra")
+LAUNCHER_FILES = sorted(p.stem for p in (CONF / "hydra" / "launcher").glob("*.yaml"))
+
+# The overrides an option needs before it is usable: the fields its file leaves required (`???`, or
+# documented as required). `{model}` / `{hydra_heads}` / `{medusa_heads}` are stand-in folders made
+# by `_stand_ins` (start-up validation only checks that they are such folders).
+REQUIRED = {
+    # path: null, "required: model.path=/path/to/folder" (validate refuses model=local without it)
+    "model/local": ["model.path={model}"],
+    # repo_id: ??? (a hub id; nothing is downloaded while composing or validating)
+    "model/hub": ["model.repo_id=lmsys/vicuna-7b-v1.3"],
+    # dir: ??? (the published heads folder: config.json with hydra_num_heads / medusa_num_heads)
+    "heads/hydra_pp_vicuna7b": ["heads.dir={hydra_heads}"],
+    "heads/hydra_vicuna7b": ["heads.dir={hydra_heads}"],
+    "heads/medusa_vicuna7b": ["heads.dir={medusa_heads}"],
+}
+
+# The launcher plugins' own config nodes (what each of our launcher files extends), for plugins this
+# environment lacks: field names and types as in the plugins' config.py (hydra-submitit-launcher 1.2
+# SlurmQueueConf, hydra-ray-launcher 1.2 RayLauncherConf). With the plugin installed the real one is used.
+LAUNCHER_PLUGINS = {  # our file -> (plugin config it extends, plugin module, its launcher class)
+    "joblib_shards": ("joblib", "hydra_plugins.hydra_joblib_launcher",
+                      "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"),
+    "ray_shards": ("ray", "hydra_plugins.hydra_ray_launcher", "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"),
+    "submitit_shards": ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher",
+                        "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+}
+
+
+def _plugin_stand_in(name: str) -> type:
+    from dataclasses import field, make_dataclass
+    from typing import Any, Dict, List, Optional
+
+    if name == "ray":  # (built with make_dataclass: this module's annotations are strings)
+        RayConf = make_dataclass("RayConf", [("init", Dict[str, Any], field(default_factory=lambda: {"address": None})),
+                                             ("remote", Dict[str, Any], field(default_factory=dict))])
+        return make_dataclass("RayLauncherConf", [("_target_", str, field(default=LAUNCHER_PLUGINS["ray_shards"][2])),
+                                                  ("ray", RayConf, field(default_factory=RayConf))])
+    assert name == "submitit_slurm", name
+    fields = [("_target_", str, LAUNCHER_PLUGINS["submitit_shards"][2]),
+              ("submitit_folder", str, "${hydra.sweep.dir}/.submitit/%j"), ("timeout_min", int, 60),
+              ("cpus_per_task", Optional[int], None), ("gpus_per_node", Optional[int], None), ("tasks_per_node", int, 1),
+              ("mem_gb", Optional[int], None), ("nodes", int, 1), ("name", str, "${hydra.job.name}"),
+              ("stderr_to_stdout", bool, False), ("partition", Optional[str], None), ("qos", Optional[str], None),
+              ("comment", Optional[str], None), ("constraint", Optional[str], None), ("exclude", Optional[str], None),
+              ("gres", Optional[str], None), ("cpus_per_gpu", Optional[int], None), ("gpus_per_task", Optional[int], None),
+              ("mem_per_gpu", Optional[str], None), ("mem_per_cpu", Optional[str], None), ("account", Optional[str], None),
+              ("signal_delay_s", int, 120), ("max_num_timeout", int, 0), ("array_parallelism", int, 256),
+              ("setup", Optional[List[str]], None)]
+    return make_dataclass("SlurmQueueConf", [(n, t, field(default=d)) for n, t, d in fields]
+                          + [("additional_parameters", Dict[str, Any], field(default_factory=dict))])
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Composing and validating must not reach the network: any connection attempt fails the test."""
+    import socket
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError(f"network access while composing/validating: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def stand_ins(tmp_path: Path) -> dict[str, str]:
+    """A model folder and published Hydra / Medusa heads folders that pass start-up validation
+    (which checks only their files' presence and the heads config's kind keys)."""
+    import json
+
+    out = {"model": str(_fake_model_dir(tmp_path))}
+    for key, conf in (("hydra_heads", {"hydra_num_heads": 4, "hydra_num_layers": 4}), ("medusa_heads", {"medusa_num_heads": 5})):
+        d = tmp_path / key
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(conf))
+        out[key] = str(d)
+    return out
+
+
+def _file_values(path: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    values.pop("defaults", None)
+    return values
+
+
+def _assert_holds(composed: dict, file_values: dict, where: str, supplied: dict[str, str]) -> None:
+    """Every value the file sets is the composed one (unresolved interpolations compared as written);
+    a field the file leaves required holds the value the test supplied."""
+    for key, want in file_values.items():
+        path = f"{where}.{key}"
+        assert key in composed, f"{path} set by the file is not in the composed config"
+        got = composed[key]
+        if path in supplied:  # a value the file leaves required (`???`, or null documented as required)
+            assert str(got) == supplied[path], (path, got)
+        elif want == "???":
+            raise AssertionError(f"{path} is required by the file but the test supplies no value (add it to REQUIRED)")
+        elif isinstance(want, dict) and want:
+            assert isinstance(got, dict), (path, got)
+            _assert_holds(got, want, path, supplied)
+        else:
+            assert got == want, f"{path}: file says {want!r}, composed {got!r}"
+
+
+def _required(option: str, stand_ins: dict[str, str]) -> list[str]:
+    return [o.format(**stand_ins) for o in REQUIRED.get(option, [])]
+
+
+@pytest.mark.parametrize("option", GROUP_FILES)
+def test_every_group_file_composes_and_validates(option: str, tmp_path: Path, stand_ins: dict[str, str], offline: None) -> None:
+    from omegaconf import OmegaConf
+
+    from pipeline.graph import compose_cfg
+
+    group, name = option.split("/")
+    required = _required(option, stand_ins)
+    cfg = compose_cfg([f"{group}={name}", *required, f"artifacts_dir={tmp_path / 'a'}", f"data_dir={tmp_path / 'd'}"])
+    file_values = _file_values(CONF / group / f"{name}.yaml")
+    assert "name" in file_values, f"conf/{option}.yaml sets no name"
+    supplied = dict(o.split("=", 1) for o in required)
+    _assert_holds(OmegaConf.to_container(cfg[group], resolve=False), file_values, group, supplied)
+    if group == "model" and name == "hub":
+        assert cfg.model.name == supplied["model.repo_id"]  # name: ${oc.select:model.repo_id,hub}
+    else:
+        assert cfg[group].name == file_values["name"]
+    assert config_problems(cfg) == []
+    validate_config(cfg)  # does not raise
+    assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists(), "composing/validating wrote files"
+
+
+def test_required_overrides_cover_every_required_field() -> None:
+    """Each `???` in a conf file has its value supplied in REQUIRED (so the test above composes it honestly)."""
+    def missing(values: dict, prefix: str) -> list[str]:
+        out = []
+        for k, v in values.items():
+            if v == "???":
+                out.append(f"{prefix}.{k}")
+            elif isinstance(v, dict):
+                out += missing(v, f"{prefix}.{k}")
+        return out
+
+    for option in GROUP_FILES:
+        group = option.split("/")[0]
+        supplied = {o.split("=", 1)[0] for o in REQUIRED.get(option, [])}
+        for key in missing(_file_values(CONF / f"{option}.yaml"), group):
+            assert key in supplied, f"conf/{option}.yaml leaves {key} required; add it to REQUIRED"
+
+
+# What start-up validation says when the required field is left unset (None: it says nothing)
+UNSET_MESSAGE = {
+    "model/local": "model.path is required for model=local; pass model.path=...",
+    "model/hub": "model.repo_id is required for model=hub; pass e.g. model.repo_id=",
+}
+HEADS_DIR_UNSET = pytest.mark.xfail(strict=True, reason=(
+    "`dir: ???` in a heads file is merged onto the schema default (HeadsGroup.dir = None), so it composes as "
+    "heads.dir=null and nothing refuses it: the heads stage would train heads under the published name "
+    "instead of importing them (needs a schema/validate change, not a YAML one)"))
+
+
+@pytest.mark.parametrize("option", [pytest.param(o, marks=() if o in UNSET_MESSAGE else HEADS_DIR_UNSET) for o in sorted(REQUIRED)])
+def test_a_required_field_left_unset_is_refused_helpfully(option: str, tmp_path: Path, offline: None) -> None:
+    from pipeline.graph import compose_cfg
+
+    group, name = option.split("/")
+    cfg = compose_cfg([f"{group}={name}", f"artifacts_dir={tmp_path}", f"data_dir={tmp_path}"])
+    field = REQUIRED[option][0].split("=", 1)[0]
+    problems = config_problems(cfg)
+    assert len(problems) == 1 and field in problems[0], problems
+    assert UNSET_MESSAGE[option] in problems[0], problems
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert e.value.code != 0 and UNSET_MESSAGE[option] in str(e.value.code)
+
+
+def test_the_paper_command_composes(stand_ins: dict[str, str], tmp_path: Path, offline: None) -> None:
+    """conf/model/vicuna7b.yaml's documented command (published Hydra++ heads, paper profile, GPU):
+    valid as a whole; without a GPU, the one problem is the helpful device message."""
+    import torch
+
+    from pipeline.graph import compose_cfg
+
+    cfg = compose_cfg(["stage=bank", "task=humaneval", "model=vicuna7b", "heads=hydra_pp_vicuna7b",
+                       f"heads.dir={stand_ins['hydra_heads']}", "profile=paper", "device=cuda", "dtype=float16",
+                       f"artifacts_dir={tmp_path}", f"data_dir={tmp_path}"])
+    assert (cfg.model.name, cfg.heads.name, cfg.profile.name, cfg.dtype) == ("vicuna-7b-v1.3", "hydra_pp_published", "paper",
+                                                                            "float16")
+    want = [] if torch.cuda.is_available() else ["device=cuda but no CUDA device is visible; use device=cpu"]
+    assert config_problems(cfg) == want
+    if want:
+        with pytest.raises(ConfigError) as e:
+            validate_config(cfg)
+        assert want[0] in str(e.value.code)
+
+
+@pytest.fixture
+def launcher_plugin(request: pytest.FixtureRequest):  # noqa: ANN201
+    """The plugin config the launcher file extends: the installed plugin's, else a stand-in with the
+    plugin's fields (removed from the ConfigStore afterwards). Yields True when the real one is used."""
+    import importlib.util
+
+    from hydra.core.config_store import ConfigStore
+
+    base, module, _ = LAUNCHER_PLUGINS[request.param]
+    if importlib.util.find_spec(module) is not None:
+        yield True
+        return
+    store = ConfigStore.instance()
+    store.store(group="hydra/launcher", name=base, node=_plugin_stand_in(base), provider="entmtp-test-stand-in")
+    try:
+        yield False
+    finally:
+        store.repo["hydra"]["launcher"].pop(f"{base}.yaml", None)
+
+
+@pytest.mark.parametrize("launcher_plugin", LAUNCHER_FILES, indirect=True)
+def test_every_launcher_file_composes(launcher_plugin: bool, request: pytest.FixtureRequest, tmp_path: Path,
+                                      offline: None) -> None:
+    """`hydra/launcher=<name>` (used with -m): composed with hydra's own config, its values on the
+    plugin's launcher node; the job config beside it still validates."""
+    from omegaconf import OmegaConf
+
+    import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+
+    name = request.node.callspec.params["launcher_plugin"]
+    assert name in LAUNCHER_PLUGINS, f"conf/hydra/launcher/{name}.yaml: add its plugin to LAUNCHER_PLUGINS"
+    base, _, target = LAUNCHER_PLUGINS[name]
+    path = CONF / "hydra" / "launcher" / f"{name}.yaml"
+    assert OmegaConf.load(path).defaults == [base, "_self_"], "the file should extend the plugin's config"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra/launcher={name}", f"artifacts_dir={tmp_path}", f"data_dir={tmp_path}"],
+                      return_hydra_config=True)
+    assert cfg.hydra.runtime.choices["hydra/launcher"] == name
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
+    assert launcher["_target_"] == target
+    _assert_holds(launcher, _file_values(path), "hydra.launcher", {})
+    assert config_problems(cfg) == []  # the top-level hydra node is not the pipeline's: skipped

@@ -226,3 +226,44 @@ def test_row_blocks_refuse_a_block_whose_rows_round_by_their_place() -> None:
 
     with pytest.raises(RuntimeError, match="invariant_rows"):
         model_mod.by_row_blocks(ByPlace(), torch.randn(8, 3), 4)
+
+
+# bf16 forwards of more than 32 rows: on an Intel Xeon with AMX-BF16 (the bench machine, 2026-12)
+# `by_row_blocks` probes (on random rows) that 32-row calls (40 for the 576x576 o_proj) round like
+# 8-row blocks and uses them, but on the model's real hidden states rows 22 and on of such a forward
+# differ from AR's (max |diff| ~0.3-0.6); calls of 8-row blocks only are bit-identical. So
+# lossless=exact in bfloat16 is not lossless for trees over 32 nodes (mc_sim_7b_63: see
+# tests/test_lossless_modes.py). Not strict: it depends on the CPU's bf16 kernels; an XPASS (-rX)
+# on the bench machine means runtime/model.py was fixed: drop the mark then.
+OVER_32_ROWS_BF16 = pytest.mark.xfail(strict=False, reason=(
+    "bf16 row invariance breaks for forwards of > 32 rows: by_row_blocks' random-row probe accepts "
+    "32-row calls that round real rows differently from 8-row blocks"))
+
+
+# ~25 s on the 2-core bench machine (all four)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,sizes", [
+    pytest.param("bfloat16", [2, 5, 9, 17], id="bfloat16-up-to-17"),
+    pytest.param("float32", [2, 5, 9, 17], id="float32-up-to-17"),
+    pytest.param("bfloat16", [33, 40], marks=OVER_32_ROWS_BF16, id="bfloat16-over-32"),
+    pytest.param("float32", [33, 40], id="float32-over-32")])
+def test_smollm2_rows_are_bit_identical_under_invariance(smollm2_dir, dtype: str, sizes: list[int]) -> None:  # noqa: ANN001
+    """The correctness verdict of `python -m pipeline.benchmarks.row_invariance` on the default
+    model: for a real prompt, each node of a verified chain (`sizes` nodes) and of the same chain
+    with a distractor sibling after every node (twice as many nodes: several padded blocks of 8
+    rows) gets AR's logits row for its position bit for bit, under `set_row_invariance(8)`. The
+    benchmark's sizes (up to 17, i.e. 33 rows) and chains longer than 32 nodes (a forward of more
+    than 32 rows, as the 63-node tree's). (That the comparison sees a difference where there is one:
+    `test_logits_row_does_not_depend_on_the_forward`.)"""
+    from pipeline.benchmarks.row_invariance import PROMPT, compare
+    from runtime.model import load_model, load_tokenizer
+
+    ids = load_tokenizer(smollm2_dir).encode(PROMPT * 3, add_special_tokens=False).ids
+    model = load_model(smollm2_dir, dtype=getattr(torch, dtype), max_seq_len=len(ids) + 2 * max(sizes) + 8)
+    torch.set_num_threads(1)  # load_model sets all cores the first time it runs in a process
+    model.set_row_invariance(ROWS)
+    with torch.inference_mode():
+        results = compare(model, ids, sizes)
+    assert {r["layout"] for r in results} == {"chain", "branchy"} and max(r["nodes"] for r in results) > 2 * ROWS
+    for r in results:
+        assert r["identical_depths"] == r["depths"], r

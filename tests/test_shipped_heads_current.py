@@ -45,3 +45,36 @@ def test_shipped_heads_are_up_to_date(heads: str, tmp_path: Path, monkeypatch: p
     heads_build.train_heads(hc, model_dir, tmp_path / "data", artifacts, model_name=model_dir.name)
     assert seen["out"].resolve() == (REPO / "artifacts" / "heads" / model_dir.name / hc["name"]).resolve()
     assert why_not_up_to_date(seen["out"], seen["key"]) is None
+
+
+def test_shipped_draft_vocab_heads_are_up_to_date(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default heads (`hydra` restricted to its 8,192 most frequent ids) too: their key records
+    the folders it reads relative to the repository, wherever the checkout lives."""
+    import pipeline.heads.draft_vocab as draft_vocab
+    from pipeline.heads.draft_vocab import FrequencySettings
+
+    model_dir = REPO / Layout.for_model("artifacts", default_model_name()).model_dir
+    if not (model_dir / "config.json").is_file():
+        pytest.skip("the default model is not converted yet (make model)")
+    with initialize_config_dir(str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=["stage=heads"])
+    lay = Layout.for_model(REPO / "artifacts", default_model_name())
+    seen: list[tuple[Path, dict]] = []
+
+    def capture(name, out, key, build, force=False, **kw):  # noqa: ANN001, ANN202 - run_stage's signature
+        seen.append((Path(out), key))
+        return Path(out)
+
+    monkeypatch.setattr(draft_vocab, "run_stage", capture)
+    dv, train = cfg.heads.draft_vocab, cfg.heads.train
+    s = FrequencySettings(tasks=list(train.tasks), prompts_per_task=int(dv.prompts_per_task),
+                          max_new_tokens=int(dv.max_new_tokens))
+    for task in sorted(train.tasks):  # the counted prompts come from the train pools
+        prepare_task(load_task_config(task), {"max_prompt_tokens": int(cfg.profile.max_prompt_tokens)}, model_dir,
+                     tmp_path / "data")
+    name = f"{cfg.heads.name}-draft{int(dv.size)}"
+    draft_vocab.derive_draft_vocab_heads(lay.heads_dir(str(cfg.heads.name)), model_dir, tmp_path / "data",
+                                         lay.frequencies_root, lay.heads_dir(name), int(dv.size), s)
+    assert [out.name for out, _ in seen][-1] == name and len(seen) == 2
+    for out, key in seen:
+        assert why_not_up_to_date(out, key) is None, out

@@ -14,6 +14,12 @@ AR; and every divergence with AR's top-2 logit gap and the dtype's rounding boun
 (`pipeline.evaluate.list_divergences`).
 
 Writes artifacts/reports/benchmarks/lossless_modes.json and .md.
+
+The correctness verdict (`verdict`: under exact, every method's output identical to AR's in every
+dtype; under numerical, every divergence within the rounding bound) is asserted on the default
+model with its shipped heads by the slow test
+`tests/test_lossless_modes.py::test_exact_mode_outputs_are_ars` (per dtype; which runs
+`load_variants`, `decode_interleaved` and `summarize` below); this script adds the speed part.
 """
 
 from __future__ import annotations
@@ -42,32 +48,22 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bank", type=Path, required=True)
-    p.add_argument("--task", default="humaneval")
-    p.add_argument("--data", type=Path, default=ROOT / "data")
-    p.add_argument("--variants", nargs="+",
-                   default=["bfloat16:exact", "bfloat16:numerical", "float32:numerical", "float32:exact"])
-    p.add_argument("--rows", type=int, default=8, help="padded row count of the exact variants")
-    p.add_argument("--prompts", type=int, default=5)
-    p.add_argument("--new-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(a.threads)
-
-    bank = TopologyBank.load(a.bank, force=True)
+def load_variants(bank_dir: Path, variants: list[str], rows: int, threads: int) -> dict[str, dict[str, Any]]:
+    """{"<dtype>:<mode>": {"model", "methods": {name: run(ids, n) -> (tokens, steps)}, "recs"}} for
+    the bank's model and heads: AR, the best static tree (EntMTP*), the largest tree and, when the
+    bank has one, its hysteresis policy (EntMTPτ)."""
+    bank = TopologyBank.load(bank_dir, force=True)
     prov = bank.provenance
-    model_dir, heads_dir = a.bank / prov["model_dir"], a.bank / prov["heads_dir"]
+    model_dir, heads_dir = bank_dir / prov["model_dir"], bank_dir / prov["heads_dir"]
     largest = max(range(len(bank.trees)), key=lambda k: bank.trees[k].num_nodes)
-    prompts = read_split(a.data, a.task, "eval", limit=a.prompts)
-    variants: dict[str, dict[str, Any]] = {}
-    for v in a.variants:
+    out: dict[str, dict[str, Any]] = {}
+    for v in variants:
         dtype, mode = v.split(":")
+        if mode not in ("exact", "numerical"):
+            raise ValueError(f"variant {v!r}: the mode must be exact or numerical")
         model = load_model(model_dir, dtype=getattr(torch, dtype), max_seq_len=2048)
-        torch.set_num_threads(a.threads)
-        model.set_row_invariance(a.rows if mode == "exact" else None)
+        torch.set_num_threads(threads)
+        model.set_row_invariance(rows if mode == "exact" else None)
         heads = load_heads(heads_dir, model=model)
         dec = TreeDecoder(model, heads, bank.buffers)
         methods: dict[str, Any] = {
@@ -79,20 +75,29 @@ def main(argv: list[str] | None = None) -> None:
             pol = bank.policies["hysteresis"]
             methods["EntMTPτ"] = lambda ids, n, dec=dec, pol=pol: _spec(
                 dec, ids, n, Scheduler(policy_from_dict(pol), len(bank.trees)))
-        variants[v] = {"model": model, "methods": methods,
-                       "recs": {m: [] for m in methods}}
+        out[v] = {"model": model, "methods": methods, "recs": {m: [] for m in methods}}
+    return out
+
+
+def decode_interleaved(variants: dict[str, dict[str, Any]], prompts: list[dict[str, Any]], new_tokens: int,
+                       progress: bool = True) -> None:
+    """Every variant's every method on every prompt, interleaved per prompt (so that the load of a
+    shared machine hits all alike); appends {"id", "tokens", "cpu_s", "steps"} to its `recs`."""
     for v in variants.values():  # warm-up
         for run in v["methods"].values():
             run(prompts[0]["input_ids"], 4)
-    for row in tqdm(prompts, desc="lossless modes", unit="prompt"):
+    for row in tqdm(prompts, desc="lossless modes", unit="prompt", disable=not progress):
         for v in variants.values():
             for name, run in v["methods"].items():
                 t0 = time.process_time()
-                tokens, steps = run(row["input_ids"], a.new_tokens)
+                tokens, steps = run(row["input_ids"], new_tokens)
                 v["recs"][name].append({"id": row["id"], "tokens": tokens, "cpu_s": time.process_time() - t0,
                                         "steps": steps})
-    report: dict[str, Any] = {"machine": machine_info(), "bank": str(a.bank), "threads": a.threads, "rows": a.rows,
-                              "prompts": len(prompts), "new_tokens": a.new_tokens, "variants": {}}
+
+
+def summarize(variants: dict[str, dict[str, Any]], prompts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """({variant: {"table": {method: figures}, "divergences": [...]}}, markdown table lines)."""
+    out: dict[str, Any] = {}
     base = variants.get("float32:numerical")
     base_speed = _speed(base["recs"]["AR"]) if base else None
     lines = ["| variant | method | identical to its AR | tokens/step | CPU tok/s | vs its AR | vs fp32 numerical AR |",
@@ -110,12 +115,52 @@ def main(argv: list[str] | None = None) -> None:
             t = table[name]
             lines.append(f"| {key} | {name} | {t['identical']} | {t['tokens_per_step']:.2f} | {t['cpu_tok_per_s']:.2f} | "
                          f"{t['vs_ar']:.2f}x | {t['vs_fp32_numerical_ar']:.2f}x |" if base_speed else "")
-        divergences = list_divergences(model, prompts, recs, key.split(":")[0])
-        report["variants"][key] = {"table": table, "divergences": divergences}
-        for d in divergences:
+        out[key] = {"table": table, "divergences": list_divergences(model, prompts, recs, key.split(":")[0])}
+    return out, lines
+
+
+def verdict(summary: dict[str, Any]) -> list[str]:
+    """What breaks losslessness (empty: none): under exact, a method whose output is not AR's; under
+    numerical, a divergence from AR beyond the dtype's rounding bound."""
+    problems = []
+    for key, v in summary.items():
+        if key.endswith(":exact"):
+            for name, t in v["table"].items():
+                n = t["identical"].split("/")[1]
+                if t["identical"] != f"{n}/{n}":
+                    problems.append(f"{key} {name}: {t['identical']} outputs identical to AR")
+        problems += [f"{key} divergence beyond the rounding bound: {d}" for d in v["divergences"] if not d["within_bound"]]
+    return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bank", type=Path, required=True)
+    p.add_argument("--task", default="humaneval")
+    p.add_argument("--data", type=Path, default=ROOT / "data")
+    p.add_argument("--variants", nargs="+",
+                   default=["bfloat16:exact", "bfloat16:numerical", "float32:numerical", "float32:exact"])
+    p.add_argument("--rows", type=int, default=8, help="padded row count of the exact variants")
+    p.add_argument("--prompts", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(a.threads)
+
+    prompts = read_split(a.data, a.task, "eval", limit=a.prompts)
+    variants = load_variants(a.bank, a.variants, a.rows, a.threads)
+    decode_interleaved(variants, prompts, a.new_tokens)
+    summary, lines = summarize(variants, prompts)
+    report: dict[str, Any] = {"machine": machine_info(), "bank": str(a.bank), "threads": a.threads, "rows": a.rows,
+                              "prompts": len(prompts), "new_tokens": a.new_tokens, "variants": summary,
+                              "verdict": verdict(summary)}
+    for key, v in summary.items():
+        for d in v["divergences"]:
             log.info("%s divergence: %s", key, d)
     md = "\n".join(lines) + "\n"
     log.info("\n%s", md)
+    log.info("verdict: %s", "lossless" if not report["verdict"] else "; ".join(report["verdict"]))
     atomic_write_json(REPORT_DIR / "lossless_modes.json", report)
     atomic_write_bytes(REPORT_DIR / "lossless_modes.md", md.encode())
 

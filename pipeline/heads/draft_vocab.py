@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.paths import Layout, default_model_name
+from pipeline.paths import REPO_ROOT, Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, hash_obj, run_stage
 from pipeline.model import model_fingerprint
 from pipeline.schema import TRAIN_TASKS
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # torch is imported where heads are built: an up-to-date chec
 
     from runtime.heads import DraftHeads
 
-ROOT = Path(__file__).resolve().parents[1]
+
 _log = logging.getLogger(__name__)
 FREQ_VERSION = 1
 FREQ_FILE = "frequencies.safetensors"
@@ -217,7 +217,7 @@ def draft_vocab_heads(full: DraftHeads, ranking: np.ndarray | torch.Tensor, size
 def _shown(folder: Path) -> str:
     """A folder as recorded in a manifest: relative to the repository when inside it (portable)."""
     try:
-        return str(folder.resolve().relative_to(ROOT))
+        return str(folder.resolve().relative_to(REPO_ROOT))
     except ValueError:
         return str(folder.resolve())
 
@@ -294,9 +294,9 @@ def derive_draft_vocab_heads(full_dir: str | Path, model_dir: Path, data_dir: Pa
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / Layout.for_model("artifacts", default_model_name()).model_dir))
+    ap.add_argument("--model", default=str(REPO_ROOT / Layout.for_model("artifacts", default_model_name()).model_dir))
     ap.add_argument("--heads-root", default=None, help="default artifacts/heads/<model name>")
-    ap.add_argument("--data", default=str(ROOT / "data"))
+    ap.add_argument("--data", default=str(REPO_ROOT / "data"))
     ap.add_argument("--kinds", nargs="+", default=["hydra", "medusa"])
     ap.add_argument("--sizes", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
     ap.add_argument("--draft-dtype", default=None, choices=list(DRAFT_DTYPES))
@@ -307,9 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     model_dir = Path(args.model)
-    heads_root = Path(args.heads_root or ROOT / Layout.for_model("artifacts", model_dir.name).heads_dir(""))
+    heads_root = Path(args.heads_root or REPO_ROOT / Layout.for_model("artifacts", model_dir.name).heads_dir(""))
     s = FrequencySettings(tasks=args.tasks, prompts_per_task=args.prompts_per_task, max_new_tokens=args.new_tokens)
-    freq_dir = token_frequencies(model_dir, Path(args.data), ROOT / Layout.for_model("artifacts", model_dir.name).frequencies_root, s, force=args.force)
+    freq_dir = token_frequencies(model_dir, Path(args.data), REPO_ROOT / Layout.for_model("artifacts", model_dir.name).frequencies_root, s, force=args.force)
     for kind in args.kinds:
         for size in args.sizes:
             out = heads_root / f"{kind}-draft{size}"

@@ -1,7 +1,8 @@
 """The default model's shipped Hydra heads written out in the published Hydra layout and read back
-through `heads.dir`: does the pipeline build the same bank from them?
+through `heads.dir`: the pipeline builds the same bank from them (slow: ~1 min on 2 cores).
 
-In its own artifacts folder (the converted models linked from `artifacts/models`), for one task:
+In its own artifacts folder (the converted models linked from the repo's `artifacts/models`), for
+one task, at a small size:
 
 1. writes the shipped heads as a published Hydra folder (`export_published_hydra`: a shared output
    layer becomes a copy of the base lm_head with a zero bias);
@@ -10,34 +11,35 @@ In its own artifacts folder (the converted models linked from `artifacts/models`
    the importer into `heads/<model>/hydra_published/`);
 3. times the shipped heads' candidate trees once (the time stage) and builds both banks from that
    one timing file, so that timing noise cannot make them differ;
-4. compares the rollouts byte for byte (then prompt by prompt when they differ), the grow
-   frontiers, the recalibrations' decoded figures (clock readings left out) and the two banks'
-   trees, best static tree and policies.
+4. compares the rollouts byte for byte (then prompt by prompt when they differ, for the message),
+   the grow frontiers, the recalibrations' decoded figures (clock readings left out) and the two
+   banks' trees, best static tree, policies and figures: all must be the same.
 
-    python -m pipeline.benchmarks.published_roundtrip [--task humaneval] [override ...]
-
-Overrides are pipeline overrides (e.g. `profile.calib_prompts=4`). Prints one line per comparison
-and writes `report.json` into the artifacts folder (default `artifacts/published_roundtrip/`).
+(This check was `python -m pipeline.benchmarks.published_roundtrip`; `pytest -s` prints its report.)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.paths import REPO_ROOT, Layout, default_model_name
+import pytest
 
-log = logging.getLogger(__name__)
+from pipeline.paths import REPO_ROOT, Layout
+
+pytestmark = pytest.mark.slow
 
 # recalibrate.json fields that are clock readings (they differ between any two runs)
 CLOCK_FIELDS = ("seconds", "median_step_ms", "e2e_tok_per_s", "step_seconds")
+TASK = "humaneval"
+# small enough for ~1 min on 2 cores; every stage still runs for real on the default model
+SIZE = ["threads=1", "profile.calib_prompts=2", "profile.max_new_tokens=16", "profile.recalib_prompts=1",
+        "profile.timing_prompts=1", "profile.grow_budget=8", "grow.candidate_sizes=[0,2,4,8]", "time.rounds=1",
+        "time.new_tokens=4", "time.cost_repeats=1", "time.cost_tokens=4"]
 
 
-def _compose(root: Path, task: str, heads_dir: Path, heads_name: str, stage: str, overrides: list[str]):  # noqa: ANN202
+def compose_roundtrip(root: Path, task: str, heads_dir: Path, heads_name: str, stage: str, overrides: list[str]):  # noqa: ANN201
     from hydra import compose, initialize_config_dir
 
     import pipeline.schema  # noqa: F401 - registers the schemas
@@ -122,61 +124,56 @@ def build_both_banks(root: Path, cfg_a, cfg_b, time_dir: Path) -> dict[str, Any]
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def published_roundtrip(root: Path, task: str, overrides: list[str]) -> dict[str, Any]:
+    """Run the round trip in `root` (see the module docstring); returns the comparisons."""
     from pipeline import graph
+    from pipeline.artifacts import read_json
+    from pipeline.paths import default_model_name
+    from pipeline.stages import grow as grow_stage
+    from pipeline.stages import merge as merge_stage
+    from pipeline.stages import recalibrate as recalibrate_stage
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", default="humaneval")
-    ap.add_argument("--root", default=str(REPO_ROOT / "artifacts" / "published_roundtrip"))
-    ap.add_argument("overrides", nargs="*", help="pipeline overrides, e.g. profile.calib_prompts=4")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     model_name = default_model_name()
     models = root / "models"
     if not models.exists():  # the converted default model, not converted again
         models.symlink_to((REPO_ROOT / "artifacts" / "models").resolve(), target_is_directory=True)
     shipped, published = export_shipped(root, model_name)
-
-    from pipeline.artifacts import read_json
-    from pipeline.stages import grow as grow_stage
-    from pipeline.stages import merge as merge_stage
-    from pipeline.stages import recalibrate as recalibrate_stage
-
-    seconds: dict[str, float] = {}
     cfgs = {}
     for name, heads_dir, heads_name in (("shipped", shipped, "hydra"), ("published", published, "hydra_published")):
-        cfg = _compose(root, args.task, heads_dir, heads_name, "recalibrate", args.overrides)
-        t0 = time.perf_counter()
+        cfgs[name] = cfg = compose_roundtrip(root, task, heads_dir, heads_name, "recalibrate", overrides)
         graph.run(cfg)
-        seconds[name] = time.perf_counter() - t0
-        cfgs[name] = cfg
-    t0 = time.perf_counter()
     time_dir = graph.stage_output("time", cfgs["shipped"])
-    seconds["time"] = time.perf_counter() - t0
-
     a, b = cfgs["shipped"], cfgs["published"]
-    report: dict[str, Any] = {"task": args.task, "overrides": args.overrides, "seconds": seconds}
+    report: dict[str, Any] = {"task": task, "overrides": overrides}
     report["rollout"] = compare_rollouts(merge_stage.output(a), merge_stage.output(b))
     fa, fb = (read_json(grow_stage.output(c) / "frontier.json") for c in (a, b))
     report["grow"] = {"frontier_identical": fa == fb}
     ra, rb = (read_json(recalibrate_stage.output(c) / "recalibrate.json") for c in (a, b))
-    report["recalibrate"] = {"decoded_identical": _decoded(ra) == _decoded(rb),
-                             "trees": len(ra["trees"]),
+    report["recalibrate"] = {"decoded_identical": _decoded(ra) == _decoded(rb), "trees": len(ra["trees"]),
                              "trees_identical": sum(x == y for x, y in zip(_decoded(ra), _decoded(rb)))}
     report["bank_from_one_timing"] = build_both_banks(root, a, b, time_dir)
-    (root / "report.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def test_shipped_heads_through_the_published_layout_build_the_same_bank(smollm2_dir: Path, tmp_path: Path) -> None:
+    from pipeline import graph
+    from tests.helpers import torch_threads
+
+    shipped = Layout.for_model(REPO_ROOT / "artifacts", smollm2_dir.name).heads_dir("hydra")
+    if not (shipped / "heads.safetensors").is_file():
+        pytest.skip(f"no shipped heads at {shipped}")
+    graph.clear_memo()
+    try:
+        with torch_threads(1):  # the stages set threads=1 for the process; restored afterwards
+            report = published_roundtrip(tmp_path / "roundtrip", TASK, SIZE)
+    finally:
+        graph.clear_memo()
     for key in ("rollout", "grow", "recalibrate", "bank_from_one_timing"):
         print(f"[published-roundtrip] {key}: {json.dumps(report[key])}")
-    print(f"[published-roundtrip] seconds: {json.dumps({k: round(v) for k, v in seconds.items()})}; "
-          f"report: {root / 'report.json'}")
-    same = (all(report["rollout"]["files_identical"].values()) and report["grow"]["frontier_identical"]
-            and report["recalibrate"]["decoded_identical"] and report["bank_from_one_timing"]["same_trees"])
-    print(f"[published-roundtrip] {'SAME' if same else 'DIFFERENT'}")
-    return 0 if same else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    assert all(report["rollout"]["files_identical"].values()), report["rollout"]
+    assert report["grow"]["frontier_identical"]
+    assert report["recalibrate"]["decoded_identical"], report["recalibrate"]
+    bank = report["bank_from_one_timing"]
+    assert bank["same_trees"] and bank["same_best_static"] and bank["same_policies"] and bank["same_figures"], bank
+    assert len(bank["trees"]["shipped"]) >= 2, "a one-tree bank would compare little"
