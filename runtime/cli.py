@@ -2,7 +2,8 @@
 
   entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval --prompt "..." [--policy hysteresis] [--compare-ar]
   entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval
-  entmtp export   artifacts/banks/.../humaneval --format vllm [--tree best|K]
+  entmtp export   artifacts/banks/.../humaneval --format vllm|trtllm|sglang|json [--batch-size B]
+  entmtp export   artifacts/banks/.../humaneval --format legacy-vllm-tree|legacy-trtllm-medusa|tree-json [--tree best|K]
 """
 
 from __future__ import annotations
@@ -62,16 +63,31 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from runtime.export import export_tree
+    from runtime.export import RENAMED, TREE_FORMATS, export_schedule, export_tree
+    from runtime.schedule import schedule_from_bank
 
+    legacy = args.format in TREE_FORMATS
+    if args.tree is not None and not legacy:
+        raise ValueError(f"--tree picks one tree, which only the tree formats take ({', '.join(TREE_FORMATS)}); "
+                         f"--format {args.format} exports the bank's choice at every batch size: drop --tree, or pass "
+                         f"--format {RENAMED.get(args.format, 'tree-json')} --tree {args.tree}")
+    if args.tree is not None and args.batch_size is not None:
+        raise ValueError("--tree and --batch-size both pick the tree to export: give one of them")
     bank = TopologyBank.load(args.bank, force=True)
-    if args.tree != "best" and not args.tree.lstrip("-").isdigit():
-        raise ValueError(f"--tree must be 'best' or a tree index (0..{len(bank.trees) - 1}), got {args.tree!r}")
-    k = bank.best_static if args.tree == "best" else int(args.tree)
-    if not 0 <= k < len(bank.trees):
-        raise BankError(f"tree {k} out of range: the bank has {len(bank.trees)} trees (0..{len(bank.trees) - 1})")
-    out = export_tree(bank.trees[k], args.format)
-    print(out if isinstance(out, str) else json.dumps(out))
+    if legacy and args.batch_size is None:
+        tree = args.tree or "best"
+        if tree != "best" and not tree.lstrip("-").isdigit():
+            raise ValueError(f"--tree must be 'best' or a tree index (0..{len(bank.trees) - 1}), got {tree!r}")
+        k = bank.best_static if tree == "best" else int(tree)
+        if not 0 <= k < len(bank.trees):
+            raise BankError(f"tree {k} out of range: the bank has {len(bank.trees)} trees (0..{len(bank.trees) - 1})")
+        out = export_tree(bank.trees[k], args.format)
+    else:
+        out = export_schedule(schedule_from_bank(bank), args.format, batch_size=args.batch_size)
+    if isinstance(out, str):
+        print(out, end="" if out.endswith("\n") else "\n")
+    else:
+        print(json.dumps(out))
     return 0
 
 
@@ -109,10 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("inspect", help="print a bank's trees, figures, policies, provenance and plots")
     i.add_argument("bank")
     i.set_defaults(fn=_inspect)
-    e = sub.add_parser("export", help="print a bank tree for a serving engine")
+    e = sub.add_parser("export", help="print a bank's per-batch-size choices (or one tree) for a serving engine")
     e.add_argument("bank")
-    e.add_argument("--format", default="vllm", choices=["vllm", "trtllm", "json"])
-    e.add_argument("--tree", default="best", help="'best' (EntMTP*) or a tree index")
+    e.add_argument("--format", default="vllm",
+                   choices=["vllm", "trtllm", "sglang", "json", "legacy-vllm-tree", "legacy-trtllm-medusa", "tree-json"],
+                   help="vllm: speculative_config draft length per batch size; trtllm: draft_len_schedule; sglang: "
+                        "flag lines and the --speculative-adaptive config; json: choices and cost table; the legacy "
+                        "and tree-json formats: one tree (default: vllm)")
+    e.add_argument("--tree", default=None, help="tree formats only: 'best' (EntMTP*, the default) or a tree index")
+    e.add_argument("--batch-size", type=int, default=None,
+                   help="only the bank's choice at this measured batch size (tree formats: the tree chosen there)")
     e.set_defaults(fn=_export)
     args = p.parse_args(argv)
     try:

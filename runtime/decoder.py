@@ -30,7 +30,7 @@ import torch
 
 from runtime.device import clock
 from runtime.heads import DraftHeads
-from runtime.model import Transformer
+from runtime.model import BatchItem, KVCache, Transformer
 from runtime.policy import SIGNALS, Scheduler
 from runtime.sampling import RowPositions, Sampler
 from runtime.tree import TreeBuffers
@@ -242,6 +242,85 @@ class TreeDecoder:
         base logits, two statistics of the last accepted row) come to the host in one transfer.
         Signals that read the heads (`HEAD_SIGNALS`) add one more, before the tree is chosen.
         """
+        seq = self._open(input_ids, max_new_tokens, choose, eos_ids, stream, sampler)
+        self.model.reset_cache()
+        self.heads.reset()
+        self._prefill(seq)
+        t_dec = time.perf_counter()
+        while not seq.done:
+            buf, tokens, start = self._draft(seq)
+            logits, hidden = self.model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False,
+                                        ancestors=buf.ancestor_lists)
+            self._finish(seq, logits[0], hidden[0])
+        seq.result.decode_seconds = clock(self.model.device) - t_dec
+        return seq.result
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        choose: Scheduler | int | Sequence[Scheduler | int] = 0,
+        eos_ids: Sequence[int] | None = None,
+        sampler: Sampler | None = None,
+    ) -> list[GenerationResult]:
+        """Decode several prompts together: every step verifies the tree rows of every live
+        sequence in one forward (`Transformer.forward_batch`), each sequence with its own KV cache,
+        positions and tree (`choose`: one for all, or one per prompt; a `Scheduler` is stateful, so
+        give each prompt its own). A sequence leaves the batch when it emits EOS or reaches its
+        token limit, and the step shrinks with it.
+
+        Lossless per sequence: in the row-invariant arithmetic (`lossless: exact`) each sequence's
+        tokens are exactly what `generate` (and so AR) gives that prompt alone, whatever else is in
+        the batch. Each result's `decode_seconds` is the batch's time until that sequence finished."""
+        if not prompts:
+            raise ValueError("no prompts to decode")
+        n = len(prompts)
+        limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        chooses = list(choose) if isinstance(choose, (list, tuple)) else [choose] * n
+        if len(limits) != n or len(chooses) != n:
+            raise ValueError(f"{n} prompts but {len(limits)} token limits and {len(chooses)} tree choices")
+        schedulers = [c for c in chooses if isinstance(c, Scheduler)]
+        if len({id(c) for c in schedulers}) < len(schedulers):
+            raise ValueError("a Scheduler keeps per-sequence state: give each prompt its own")
+        model, heads = self.model, self.heads
+        seqs = [self._open(p, m, c, eos_ids, None, sampler) for p, m, c in zip(prompts, limits, chooses)]
+        own, own_heads = model.cache, heads.save_state()
+        try:
+            for seq in seqs:
+                seq.cache = model.new_cache()
+                seq.heads_state = heads.new_state()
+                self._enter(seq)
+                self._prefill(seq)
+                self._leave(seq)
+            t_dec = time.perf_counter()
+            live = [s for s in seqs if not s.done]
+            while live:
+                drafts = []
+                for seq in live:
+                    self._enter(seq)
+                    drafts.append(self._draft(seq))
+                    self._leave(seq)
+                outs = model.forward_batch([BatchItem(seq.cache, tokens, start + buf.depths, buf.ancestor_lists)
+                                            for seq, (buf, tokens, start) in zip(live, drafts)])
+                for seq, (logits, hidden) in zip(live, outs):
+                    self._enter(seq)
+                    self._finish(seq, logits, hidden)
+                    self._leave(seq)
+                    if seq.done:
+                        seq.result.decode_seconds = clock(model.device) - t_dec
+                live = [s for s in live if not s.done]
+        finally:
+            if own is not None:
+                model.use_cache(own)
+            heads.load_state(own_heads)
+        return [s.result for s in seqs]
+
+    # -- one sequence's decode, in phases that `generate` and `generate_batch` share ---------------
+
+    def _open(self, input_ids: Sequence[int], max_new_tokens: int, choose: Scheduler | int,
+              eos_ids: Sequence[int] | None, stream: Callable[[list[int]], None] | None,
+              sampler: Sampler | None) -> _Sequence:
         sampler = sampler if sampler is not None else Sampler()
         if not sampler.greedy and self.acceptance != "exact":
             raise ValueError("typical acceptance decides with its own temperature (TypicalAcceptance.temperature); "
@@ -250,8 +329,7 @@ class TreeDecoder:
             raise ValueError("empty prompt: give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        model, heads = self.model, self.heads
-        capacity = model.max_seq_len
+        capacity = self.model.max_seq_len
         need = len(input_ids) + max_new_tokens + self._max_nodes
         if need > capacity:
             raise ValueError(
@@ -259,9 +337,8 @@ class TreeDecoder:
                 f"({self._max_nodes} nodes) = {need} exceeds the KV cache capacity {capacity}; "
                 "shorten the prompt, lower max_new_tokens or load the model with a larger max_seq_len"
             )
-        eos = set(eos_ids if eos_ids is not None else model.args.eos_token_ids)
+        eos = set(eos_ids if eos_ids is not None else self.model.args.eos_token_ids)
         fixed = isinstance(choose, int)
-        reads_heads = reads_logits = False
         if fixed and not 0 <= choose < len(self.trees):
             raise ValueError(f"tree index {choose} out of range: the decoder has {len(self.trees)} trees")
         if not fixed:
@@ -269,75 +346,124 @@ class TreeDecoder:
                 raise ValueError(f"choose must be a tree index or a runtime.policy.Scheduler, got {type(choose).__name__}")
             choose.policy.check_bank(len(self.trees))
             choose.reset()
-            reads_heads = choose.signal.reads_heads
-            reads_logits = choose.signal.reads_logits
-        dev = model.device
+        return _Sequence(list(input_ids), max_new_tokens, choose, eos, stream, sampler)
 
-        model.reset_cache()
-        heads.reset()
-        result = GenerationResult(tokens=[])
+    def _enter(self, seq: _Sequence) -> None:
+        """Point the model and heads at this sequence's caches (a batch keeps one per sequence)."""
+        self.model.use_cache(seq.cache)
+        self.heads.load_state(seq.heads_state)
+
+    def _leave(self, seq: _Sequence) -> None:
+        seq.heads_state = self.heads.save_state()
+
+    def _prefill(self, seq: _Sequence) -> None:
+        model, heads, dev = self.model, self.heads, self.model.device
         t0 = clock(dev)
-        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=dev)
+        ids = torch.tensor([seq.input_ids], dtype=torch.long, device=dev)
         prompt_pos = torch.arange(ids.shape[1], device=dev)
         logits, hidden = model(ids, prompt_pos, last_only=True)
-        h = heads.observe(hidden, prompt_pos)
+        seq.h = heads.observe(hidden, prompt_pos)
         last = logits[0, -1]
-        root = int(sampler.next_tokens(last[None], RowPositions(0, self._offsets[:1], 1))[0])
-        p0 = entropy = math.nan
-        if reads_logits:
-            p0, entropy = _top1_and_entropy(last)
-        result.tokens.append(root)
-        result.prefill_seconds = clock(dev) - t0
-        if stream:
-            stream([root])
+        seq.root = int(seq.sampler.next_tokens(last[None], RowPositions(0, self._offsets[:1], 1))[0])
+        if seq.reads_logits:
+            seq.p0, seq.entropy = _top1_and_entropy(last)
+        seq.result.tokens.append(seq.root)
+        seq.result.prefill_seconds = clock(dev) - t0
+        if seq.stream:
+            seq.stream([seq.root])
+        seq.done = seq.root in seq.eos or len(seq.result.tokens) >= seq.max_new_tokens
 
-        t_dec = time.perf_counter()
-        while root not in eos and len(result.tokens) < max_new_tokens:
-            # No synchronisation for this clock read: the previous step ended with one (its token
-            # transfer); device work queued after it (the heads' observation) counts in this step.
-            ts = time.perf_counter()
-            if fixed:
-                k, signal = choose, math.nan
-            else:
-                chain = greedy_chain_top1(heads, h, root) if reads_heads else ()
-                signal = choose.signal.observe(p0, chain, entropy)
-                k = choose.policy.choose(signal)
-            buf = self.trees[k]
-            start = model.cache_len
-            tokens = heads.propose(h, root, buf)
-            logits, hidden = model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False,
-                                   ancestors=buf.ancestor_lists)
-            best, bonus = self._accept(buf, tokens, logits[0], sampler, len(result.tokens))
-            path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
-            # move the path's K/V to the front now (all D+1 slots; the padding is cut below)
-            model.compact_cache(start, path)
-            parts = [buf.depths.index_select(0, best), tokens.index_select(0, path[1:]), bonus]
-            if reads_logits:
-                parts.append(_logit_sums(logits[0].index_select(0, best)[0]))
-            # the step's one host synchronisation: everything the host needs, in one transfer
-            host = torch.cat([x.to(torch.float64) for x in parts]).tolist()
-            accepted = int(host[0])
-            model.truncate_cache(start + accepted + 1)
-            h = heads.observe(hidden[:, path[: accepted + 1]], start + self._offsets[: accepted + 1])
-            emitted = [int(t) for t in host[1: 1 + accepted]] + [int(host[1 + buf.depth])]
-            # stop at EOS / the token budget, mid-step if need be
-            room = max_new_tokens - len(result.tokens)
-            out: list[int] = []
-            for tok in emitted[:room]:
-                out.append(tok)
-                if tok in eos:
-                    break
-            result.tokens.extend(out)
-            root = out[-1]
-            if not fixed:
-                choose.update(accepted)
-                if reads_logits:
-                    p0, entropy = _p0_and_entropy(*host[-2:])
-            result.steps.append(StepRecord(k, accepted, time.perf_counter() - ts, signal))
-            if stream:
-                stream(out)
-        result.decode_seconds = clock(dev) - t_dec
-        return result
+    def _draft(self, seq: _Sequence) -> tuple[TreeBuffers, torch.Tensor, int]:
+        """Choose the step's tree and draft it: (its buffers, the drafted tokens [N], the cache slot
+        of its root)."""
+        # No synchronisation for this clock read: the previous step ended with one (its token
+        # transfer); device work queued after it (the heads' observation) counts in this step.
+        seq.step_t0 = time.perf_counter()
+        if seq.fixed:
+            seq.tree, seq.signal = seq.choose, math.nan
+        else:
+            chain = greedy_chain_top1(self.heads, seq.h, seq.root) if seq.reads_heads else ()
+            seq.signal = seq.choose.signal.observe(seq.p0, chain, seq.entropy)
+            seq.tree = seq.choose.policy.choose(seq.signal)
+        buf = self.trees[seq.tree]
+        seq.start = self.model.cache_len
+        seq.drafted = self.heads.propose(seq.h, seq.root, buf)
+        return buf, seq.drafted, seq.start
+
+    def _finish(self, seq: _Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Accept, compact the cache, observe the accepted positions and emit, from the verify
+        forward's logits [N, V] and hidden states [N, dim] of the tree drafted by `_draft`."""
+        model, heads = self.model, self.heads
+        buf, start, k = self.trees[seq.tree], seq.start, seq.tree
+        tokens = seq.drafted
+        best, bonus = self._accept(buf, tokens, logits, seq.sampler, len(seq.result.tokens))
+        path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
+        # move the path's K/V to the front now (all D+1 slots; the padding is cut below)
+        model.compact_cache(start, path)
+        parts = [buf.depths.index_select(0, best), tokens.index_select(0, path[1:]), bonus]
+        if seq.reads_logits:
+            parts.append(_logit_sums(logits.index_select(0, best)[0]))
+        # the step's one host synchronisation: everything the host needs, in one transfer
+        host = torch.cat([x.to(torch.float64) for x in parts]).tolist()
+        accepted = int(host[0])
+        model.truncate_cache(start + accepted + 1)
+        seq.h = heads.observe(hidden[None, path[: accepted + 1]], start + self._offsets[: accepted + 1])
+        emitted = [int(t) for t in host[1: 1 + accepted]] + [int(host[1 + buf.depth])]
+        # stop at EOS / the token budget, mid-step if need be
+        room = seq.max_new_tokens - len(seq.result.tokens)
+        out: list[int] = []
+        for tok in emitted[:room]:
+            out.append(tok)
+            if tok in seq.eos:
+                break
+        seq.result.tokens.extend(out)
+        seq.root = out[-1]
+        if not seq.fixed:
+            seq.choose.update(accepted)
+            if seq.reads_logits:
+                seq.p0, seq.entropy = _p0_and_entropy(*host[-2:])
+        seq.result.steps.append(StepRecord(k, accepted, time.perf_counter() - seq.step_t0, seq.signal))
+        if seq.stream:
+            seq.stream(out)
+        seq.done = seq.root in seq.eos or len(seq.result.tokens) >= seq.max_new_tokens
+
+
+@dataclass
+class _Sequence:
+    """One sequence's decoding state between the phases of a step."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    choose: Scheduler | int
+    eos: set[int]
+    stream: Callable[[list[int]], None] | None
+    sampler: Sampler
+    result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
+    cache: KVCache | None = None              # its KV cache (a batch's own; `generate` uses the model's)
+    heads_state: tuple | None = None          # its heads' decoding state (`DraftHeads.save_state`)
+    h: torch.Tensor | None = None             # context vector of the last committed position
+    root: int = -1                            # last emitted token, not yet in the cache
+    p0: float = math.nan
+    entropy: float = math.nan
+    done: bool = False
+    # the current step, between `_draft` and `_finish`
+    tree: int = 0
+    signal: float = math.nan
+    start: int = 0
+    drafted: torch.Tensor | None = None
+    step_t0: float = 0.0
+
+    @property
+    def fixed(self) -> bool:
+        return isinstance(self.choose, int)
+
+    @property
+    def reads_heads(self) -> bool:
+        return not self.fixed and self.choose.signal.reads_heads
+
+    @property
+    def reads_logits(self) -> bool:
+        return not self.fixed and self.choose.signal.reads_logits
 
 
 def _logit_sums(logits: torch.Tensor) -> torch.Tensor:

@@ -255,6 +255,25 @@ class DraftHeads(nn.Module):
         if self.prefix is not None:
             self.prefix.cache_len = 0
 
+    # -- one decoding state per sequence (a batch decodes several) --------------------------------
+
+    def new_state(self) -> tuple[Tensor, int] | None:
+        """An empty decoding state for another sequence: the Hydra++ prefix layer's cache and its
+        length (None for heads without a prefix layer, which keep no state)."""
+        if self.prefix is None or self.prefix.kv is None:
+            return None
+        return torch.zeros_like(self.prefix.kv), 0
+
+    def save_state(self) -> tuple[Tensor, int] | None:
+        """The current sequence's decoding state (see `new_state`), to `load_state` later."""
+        return None if self.prefix is None or self.prefix.kv is None else (self.prefix.kv, self.prefix.cache_len)
+
+    def load_state(self, state: tuple[Tensor, int] | None) -> None:
+        """Continue the sequence whose state `save_state` (or `new_state`) returned."""
+        if state is not None:
+            assert self.prefix is not None, "a decoding state of heads with a prefix layer"
+            self.prefix.kv, self.prefix.cache_len = state
+
     def _refs(self) -> _BaseRefs:
         if self._base is None:
             raise RuntimeError("the heads are not bound to a base model: call heads.bind(model) first")

@@ -21,6 +21,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -214,6 +215,22 @@ def by_row_blocks(fn: nn.Module, x: Tensor, rows: int) -> Tensor:
     return torch.cat([fn(x[i:i + width]) for i in range(0, n, width)])
 
 
+# a row-invariant way to run a per-row module (a Linear, the feed-forward) over many rows
+RowProducts = Callable[[nn.Module, Tensor], Tensor]
+
+
+class KVCache:
+    """One sequence's KV cache: kv [n_layers, 2, kv_heads, max_seq_len, head_dim] (each layer's
+    slice a contiguous view, as the attention kernels read it) and the number of committed
+    positions. A model decodes into the one `Transformer.use_cache` names; a batch keeps one per
+    sequence (`Transformer.forward_batch`)."""
+
+    def __init__(self, kv: Tensor) -> None:
+        self.kv = kv
+        self.layers = list(kv.unbind(0))  # views, so the big tensor stays the one truth
+        self.length = 0
+
+
 @dataclass
 class RowPlan:
     """How one row-invariant forward (see `Transformer.set_row_invariance`) attends: shared by all
@@ -315,17 +332,41 @@ class Attention(nn.Module):
         its own keys gathered in logical order, one SDPA call per key count, without a mask."""
         rows = x.shape[0]
         h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        groups = h // kvh
         qkv = by_row_blocks(self.wqkv, x, plan.block).view(rows, h + 2 * kvh, hd)
         qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
         at, real = plan.write_at, plan.real
         kv[0, :, at:at + real] = qk[:real, h:].transpose(0, 1)
         kv[1, :, at:at + real] = qkv[:real, h + kvh:].transpose(0, 1)
+        out = self._attend(qk[:, :h], kv, plan)
+        return by_row_blocks(self.wo, out.reshape(rows, h * hd), plan.block)
+
+    def forward_batch(self, x: Tensor, cos: Tensor, sin: Tensor, kvs: list[Tensor], plans: list[RowPlan],
+                      bounds: list[tuple[int, int]], prod: RowProducts) -> Tensor:
+        """`forward_invariant` for the rows of several sequences at once: x [rows, dim] holds sequence
+        i's rows at bounds[i] (then padding); each sequence writes its K/V into its own layer cache
+        kvs[i] and attends over it with its own plan, exactly as it would alone. The products run
+        over all rows together, through `prod` (row-invariant)."""
+        rows = x.shape[0]
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = prod(self.wqkv, x).view(rows, h + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
+        out = qk.new_zeros(rows, h, hd)
+        for kv, plan, (a, b) in zip(kvs, plans, bounds):
+            at, real = plan.write_at, plan.real
+            kv[0, :, at:at + real] = qk[a:b, h:].transpose(0, 1)
+            kv[1, :, at:at + real] = qkv[a:b, h + kvh:].transpose(0, 1)
+            out[a:b] = self._attend(qk[a:b, :h], kv, plan)
+        return prod(self.wo, out.view(rows, h * hd))
+
+    def _attend(self, q: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
+        """Each row of q [rows, h, hd] over its own keys of the layer cache kv, as `plan` lists them
+        (rows past `plan.real` attend to nothing and come back as garbage or zeros)."""
+        rows = q.shape[0]
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if plan.slots is not None:  # the small-row kernel reads each row's slots in place
-            out = small_rows.attention(qk[:, :h], kv[0], kv[1], at, plan.offsets, plan.slots, plan.longest,
-                                       1.0 / math.sqrt(hd))
-            return by_row_blocks(self.wo, out.view(rows, h * hd), plan.block)
-        q = qk[:, :h].view(rows, kvh, groups, hd)
+            return small_rows.attention(q, kv[0], kv[1], plan.write_at, plan.offsets, plan.slots, plan.longest,
+                                        1.0 / math.sqrt(hd))
+        q = q.reshape(rows, kvh, h // kvh, hd)
         out = torch.empty_like(q)
         assert plan.groups is not None
         for members, keys in plan.groups:
@@ -334,7 +375,7 @@ class Attention(nn.Module):
             k = kv[0].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
             v = kv[1].index_select(1, keys.flatten()).view(kvh, r, length, hd).transpose(0, 1)
             out[members] = F.scaled_dot_product_attention(q[members], k, v)
-        return by_row_blocks(self.wo, out.reshape(rows, h * hd), plan.block)
+        return out.view(rows, h, hd)
 
 
 class FeedForward(nn.Module):
@@ -365,6 +406,11 @@ class TransformerBlock(nn.Module):
         x = x + self.attention.forward_invariant(self.attention_norm(x), cos, sin, kv, plan)
         return x + by_row_blocks(self.feed_forward, self.ffn_norm(x), plan.block)
 
+    def forward_batch(self, x: Tensor, cos: Tensor, sin: Tensor, kvs: list[Tensor], plans: list[RowPlan],
+                      bounds: list[tuple[int, int]], prod: RowProducts) -> Tensor:
+        x = x + self.attention.forward_batch(self.attention_norm(x), cos, sin, kvs, plans, bounds, prod)
+        return x + prod(self.feed_forward, self.ffn_norm(x))
+
 
 class Transformer(nn.Module):
     """Llama-family causal LM, batch size 1, with a preallocated KV cache (see module docstring)."""
@@ -383,8 +429,7 @@ class Transformer(nn.Module):
         self.register_buffer("kv_cache", None, persistent=False)
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
-        self._layer_caches: list[Tensor] = []
-        self._cache_len = 0
+        self._cache: KVCache | None = None  # the sequence that forwards read and extend (`use_cache`)
         self.max_seq_len = 0
         self.invariant_rows: int | None = None  # see set_row_invariance
         self._kernel_decode = False  # see kernel_decode
@@ -403,12 +448,41 @@ class Transformer(nn.Module):
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the sliding window {a.sliding_window}, "
                              "which this runtime does not implement; ask for a shorter cache")
         weight = self.output.weight
-        self.kv_cache = torch.zeros(a.n_layers, 2, a.n_kv_heads, max_seq_len, a.head_dim,
-                                    dtype=weight.dtype, device=weight.device)
-        self._layer_caches = list(self.kv_cache.unbind(0))  # views, so the big tensor stays the one truth
-        self.rope_cos, self.rope_sin = rope_tables(a, max_seq_len, weight.device)
         self.max_seq_len = max_seq_len
-        self._cache_len = 0
+        self.use_cache(self.new_cache())
+        self.rope_cos, self.rope_sin = rope_tables(a, max_seq_len, weight.device)
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache of another sequence, the size of this model's (`setup_cache`): a batch
+        holds one per sequence, and `use_cache` says which one the single-sequence calls use."""
+        if self.max_seq_len == 0:
+            raise RuntimeError("the KV cache is not allocated: call setup_cache(max_seq_len) first")
+        a, weight = self.args, self.output.weight
+        return KVCache(torch.zeros(a.n_layers, 2, a.n_kv_heads, self.max_seq_len, a.head_dim,
+                                   dtype=weight.dtype, device=weight.device))
+
+    def use_cache(self, cache: KVCache) -> None:
+        """Make `cache` the one that `forward`, `compact_cache`, `truncate_cache` ... read and extend."""
+        self._cache = cache
+        self.kv_cache = cache.kv
+
+    @property
+    def cache(self) -> KVCache | None:
+        """The KV cache in use (see `use_cache`)."""
+        return self._cache
+
+    @property
+    def _cache_len(self) -> int:
+        return self._cache.length if self._cache is not None else 0
+
+    @_cache_len.setter
+    def _cache_len(self, value: int) -> None:
+        assert self._cache is not None, "no KV cache in use"
+        self._cache.length = int(value)
+
+    @property
+    def _layer_caches(self) -> list[Tensor]:
+        return self._cache.layers if self._cache is not None else []
 
     @property
     def cache_len(self) -> int:
@@ -609,6 +683,83 @@ class Transformer(nn.Module):
             out = by_row_blocks(self.output, hidden, rows)[:n].float()
         self._cache_len = start + n
         return out.unsqueeze(0), hidden[:n].unsqueeze(0)
+
+
+    @torch.inference_mode()
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[tuple[Tensor, Tensor]]:
+        """Verify the new tokens of several sequences in one forward: item i appends its tokens
+        [n_i] at positions [n_i] to its own KV cache (`KVCache`), each token attending to that
+        cache's committed prefix and to its ancestors among the item's tokens (`ancestors`, itself
+        last). Returns per item (logits [n_i, V] float32, hidden [n_i, dim]).
+
+        Needs the row-invariant arithmetic (`set_row_invariance`, or the small-row kernels): every
+        matrix product then computes a row the same way whatever rows share the call, and every row
+        attends over exactly the keys, in the order, that the same sequence decoded alone would, so
+        each item's results are bit-identical to `forward` on that sequence alone (batch
+        invariance by construction). The matrix products run once over all rows, which is what a
+        batch buys: on a memory-bound step the weights are read once for every sequence."""
+        if self.invariant_rows is None and not self.kernel_decode:
+            raise RuntimeError("forward_batch needs the row-invariant arithmetic: call set_row_invariance(rows) first "
+                               "(lossless: exact), or decode the sequences one by one")
+        if not items:
+            raise ValueError("forward_batch needs at least one item")
+        kernel = self.kernel_decode
+        block = 1 if kernel else self.invariant_rows
+        dev = self.device
+        plans, bounds, tokens, positions = [], [], [], []
+        row = 0
+        for it in items:
+            n = it.tokens.shape[0]
+            if n == 0 or it.positions.shape != (n,) or len(it.ancestors) != n:
+                raise ValueError(f"a batch item needs n >= 1 tokens with n positions and n ancestor lists, got "
+                                 f"{tuple(it.tokens.shape)}, {tuple(it.positions.shape)}, {len(it.ancestors)}")
+            start = it.cache.length
+            if start + n > self.max_seq_len:
+                raise ValueError(f"a sequence's KV cache holds {self.max_seq_len} positions; {start} are used and {n} "
+                                 "more do not fit")
+            plans.append(row_plan(start, it.ancestors, dev, block, kernel=kernel))
+            bounds.append((row, row + n))
+            tokens.append(it.tokens)
+            positions.append(it.positions)
+            row += n
+        real = row
+        if kernel:
+            # the kernels compute a row alike in any call of up to KERNEL_ROWS rows: split wider ones
+            padded = real
+
+            def prod(fn: nn.Module, x: Tensor) -> Tensor:
+                return fn(x) if x.shape[0] <= KERNEL_ROWS else torch.cat([fn(c) for c in x.split(KERNEL_ROWS)])
+        else:
+            padded = -(-real // block) * block
+
+            def prod(fn: nn.Module, x: Tensor) -> Tensor:
+                return by_row_blocks(fn, x, block)
+        tok, pos = torch.cat(tokens), torch.cat(positions)
+        if padded > real:  # pad rows repeat the first token; their results are dropped
+            tok = torch.cat([tok, tok[:1].expand(padded - real)])
+            pos = torch.cat([pos, pos[:1].expand(padded - real)])
+        cos = self.rope_cos[pos].unsqueeze(1)
+        sin = self.rope_sin[pos].unsqueeze(1)
+        x = self.tok_embeddings(tok)
+        for index, layer in enumerate(self.layers):
+            x = layer.forward_batch(x, cos, sin, [it.cache.layers[index] for it in items], plans, bounds, prod)
+        hidden = self.norm(x)
+        logits = prod(self.output, hidden)[:real].float()
+        for it in items:
+            it.cache.length += it.tokens.shape[0]
+        return [(logits[a:b], hidden[a:b]) for a, b in bounds]
+
+
+@dataclass
+class BatchItem:
+    """One sequence's part of `Transformer.forward_batch`: its cache, new tokens [n] (int64),
+    their absolute positions [n], and each token's ancestors among them (increasing, itself last;
+    a compiled tree's `TreeBuffers.ancestor_lists`)."""
+
+    cache: KVCache
+    tokens: Tensor
+    positions: Tensor
+    ancestors: list[list[int]]
 
 
 # ----------------------------------------------------------------------------------------------

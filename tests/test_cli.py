@@ -23,7 +23,8 @@ from tests.helpers import REPO, TinyBundle, pin_to_one_cpu, python_exe, subproce
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-FORMATS = ("vllm", "trtllm", "json")
+# the single-tree formats (the short names vllm/trtllm/json are the per-batch-size exports, see test_export.py)
+FORMATS = ("legacy-vllm-tree", "legacy-trtllm-medusa", "tree-json")
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 def _parse_export(stdout: str, fmt: str) -> Tree:
     text = stdout.rstrip("\n")
-    # trtllm's medusa_choices is a list, printed as JSON; vllm's tree and the JSON export are strings
-    return parse_tree(json.loads(text) if fmt == "trtllm" else text, fmt)
+    # medusa_choices is a list, printed as JSON; vLLM's tree and the tree JSON are strings
+    return parse_tree(json.loads(text) if fmt == "legacy-trtllm-medusa" else text, fmt)
 
 
 # ------------------------------------------------------------------------------------ inspect
@@ -89,14 +90,14 @@ def test_export_round_trips_every_tree(bundle: TinyBundle, bank: TopologyBank, c
             assert main(["export", str(bundle.bank_dir), "--format", fmt, "--tree", str(k)]) == 0
             out = capsys.readouterr().out
             assert _parse_export(out, fmt) == tree, f"tree {k} in {fmt}: {out[:200]}"
-    # vLLM wants num_speculative_tokens == number of paths: the exported list has exactly that many
-    assert main(["export", str(bundle.bank_dir), "--format", "vllm", "--tree", "2"]) == 0
-    assert len(_parse_export(capsys.readouterr().out, "vllm")) == 63
+    # vLLM wanted num_speculative_tokens == number of paths: the exported list has exactly that many
+    assert main(["export", str(bundle.bank_dir), "--format", "legacy-vllm-tree", "--tree", "2"]) == 0
+    assert len(_parse_export(capsys.readouterr().out, "legacy-vllm-tree")) == 63
 
 
 @pytest.mark.parametrize("tree", ["3", "-1", "big"])
 def test_export_bad_tree_index(bundle: TinyBundle, tree: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["export", str(bundle.bank_dir), "--tree", tree]) == 2
+    assert main(["export", str(bundle.bank_dir), "--format", "legacy-vllm-tree", "--tree", tree]) == 2
     err = capsys.readouterr().err
     assert err.startswith("entmtp: error:") and err.count("\n") == 1
     assert "0..2" in err, err  # says which indices exist

@@ -1,0 +1,136 @@
+"""Batched decoding: several sequences verified in one forward, each with its own KV cache,
+positions and tree, and each sequence's output exactly its own AR output (batch invariance by
+construction of the row-invariant arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import small_rows
+from runtime.decoder import TreeDecoder
+from runtime.model import BatchItem, Transformer
+from runtime.policy import HysteresisPolicy, Scheduler
+from runtime.sampling import Sampler, SamplingConfig
+from runtime.tree import Tree, TreeBuffers
+from tests.helpers import DECODER_TREES, ar_greedy, tiny_heads, tiny_model
+
+ARITHMETICS = ["padded"] + (["kernel"] if small_rows.available() else [])
+
+
+def _model(arithmetic: str, seed: int = 0) -> Transformer:
+    """The tiny model in a row-invariant arithmetic: padded blocks of 4 rows (torch's products), or
+    the small-row kernels (where they are built)."""
+    model = tiny_model(seed)
+    if arithmetic == "kernel":
+        model.add_fast_paths()
+        assert model.kernel_decode
+    model.set_row_invariance(4)
+    return model
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 40, (int(length),), generator=g).tolist() for length in torch.randint(3, 30, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_forward_batch_rows_equal_each_sequence_alone(arithmetic: str) -> None:
+    model = _model(arithmetic)
+    buf = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))  # 64 rows a sequence: wider than one kernel call
+    prompts = _prompts(3)
+    caches, alone = [], []
+    with torch.inference_mode():
+        for k, p in enumerate(prompts):
+            tokens = torch.randint(0, 40, (buf.num_nodes,), generator=torch.Generator().manual_seed(k))
+            cache = model.new_cache()
+            model.use_cache(cache)
+            model(torch.tensor([p]), torch.arange(len(p)))
+            twin = model.new_cache()
+            twin.kv.copy_(cache.kv)
+            twin.length = cache.length
+            model.use_cache(twin)
+            logits, hidden = model(tokens[None], cache.length + buf.depths, buf.attn_mask, check_mask=False,
+                                   ancestors=buf.ancestor_lists)
+            caches.append((cache, tokens))
+            alone.append((logits[0], hidden[0], twin))
+        out = model.forward_batch([BatchItem(c, t, c.length + buf.depths, buf.ancestor_lists) for c, t in caches])
+    for (logits, hidden, twin), (b_logits, b_hidden), (cache, _) in zip(alone, out, caches):
+        assert torch.equal(logits, b_logits) and torch.equal(hidden, b_hidden)
+        assert cache.length == twin.length
+        assert torch.equal(cache.kv[:, :, :, :cache.length], twin.kv[:, :, :, :twin.length])
+
+
+def test_forward_batch_needs_the_row_invariant_arithmetic() -> None:
+    model = tiny_model()
+    buf = TreeBuffers.compile(Tree([(0,)]))
+    item = BatchItem(model.new_cache(), torch.tensor([1, 2]), buf.depths, buf.ancestor_lists)
+    with pytest.raises(RuntimeError, match="set_row_invariance"):
+        model.forward_batch([item])
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+@pytest.mark.parametrize("kind,prefix", [("hydra", False), ("medusa", False), ("hydra", True)])
+def test_generate_batch_is_each_prompts_own_ar_output(arithmetic: str, kind: str, prefix: bool) -> None:
+    model = _model(arithmetic)
+    heads = tiny_heads(model, kind, prefix=prefix)
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in DECODER_TREES])
+    prompts = _prompts(6, seed=1)                # ragged lengths
+    limits = [32, 5, 32, 13, 32, 32]             # sequences leave the batch at different steps
+    chooses = [0, 1, 2, 3, 1, 0]                 # a different tree per sequence
+    results = dec.generate_batch(prompts, limits, choose=chooses)
+    accepted = 0
+    for p, n, k, res in zip(prompts, limits, chooses, results):
+        assert res.tokens == ar_greedy(model, p, n), f"tree {k}"
+        assert res.tokens == dec.generate(p, n, choose=k).tokens
+        accepted += sum(s.accepted for s in res.steps)
+    assert accepted > 0, "no draft was ever accepted: the test exercised nothing but the root"
+
+
+def test_a_sequence_that_stops_on_eos_leaves_the_others_alone() -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in DECODER_TREES])
+    prompts = _prompts(6, seed=3)
+    free = [dec.generate(p, 40, choose=0, eos_ids=[]).tokens for p in prompts]
+    stop = free[0][5]  # a token the first sequence emits early: the stop token of this run
+
+    def until_stop(tokens: list[int]) -> list[int]:
+        return tokens[: tokens.index(stop) + 1] if stop in tokens else tokens
+
+    expected = [until_stop(t) for t in free]
+    assert len(expected[0]) <= 6 and any(len(e) == 40 for e in expected), "the stop token must end some, not all"
+    results = dec.generate_batch(prompts, 40, choose=[0, 1, 2, 3, 2, 1], eos_ids=[stop])
+    assert [r.tokens for r in results] == expected
+
+
+def test_per_sequence_policies_and_seeded_sampling() -> None:
+    model = _model("padded", seed=2)
+    heads = tiny_heads(model, "hydra", seed=2)
+    trees = [TreeBuffers.compile(t) for t in (Tree([]), Tree([(0,)]), Tree.named("chain4"))]
+    dec = TreeDecoder(model, heads, trees)
+    prompts = _prompts(3, seed=4)
+    sampler = Sampler(SamplingConfig(temperature=0.8, seed=5))
+
+    def scheduler() -> Scheduler:
+        return Scheduler(HysteresisPolicy(tau_on=0.5, tau_off=0.3, small=0, large=2, signal="p0"))
+
+    batch = dec.generate_batch(prompts, 20, choose=[scheduler() for _ in prompts], sampler=sampler)
+    for p, res in zip(prompts, batch):
+        assert res.tokens == dec.generate(p, 20, choose=scheduler(), sampler=sampler).tokens
+    with pytest.raises(ValueError, match="its own"):
+        shared = scheduler()
+        dec.generate_batch(prompts, 20, choose=[shared] * len(prompts))
+
+
+def test_bad_batches_say_what_is_wrong() -> None:
+    model = _model("padded")
+    dec = TreeDecoder(model, tiny_heads(model, "hydra"), [TreeBuffers.compile(Tree([(0,)]))])
+    with pytest.raises(ValueError, match="no prompts"):
+        dec.generate_batch([], 8)
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate_batch([[1, 2], []], 8)
+    with pytest.raises(ValueError, match="2 prompts but 3 token limits"):
+        dec.generate_batch([[1], [2]], [4, 4, 4])
+    # a failed batch leaves the decoder usable for single sequences
+    assert dec.generate([1, 2, 3], 6).tokens == ar_greedy(model, [1, 2, 3], 6)
