@@ -322,6 +322,9 @@ class TimeConfig:
     # ... even this fraction cheaper than modeled (the first probe round's model, which decides what is
     # never timed, prunes with this margin twice over: `pipeline.timing.checks.early_margin`)
     prune_margin: float = at_least(0.15, 0.0, 0.99)
+    # batch sizes the step-cost model is measured at (batched verify forwards, checked by timed
+    # batched decodes); the bank chooses its trees at each (`pipeline.timing.batch`)
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
 
 
 @dataclass
@@ -342,6 +345,11 @@ class BankConfig:
 class EvaluateConfig:
     max_new_tokens: int = at_least(MISSING, 1)
     hf_generate: bool = True           # include transformers generate as a baseline
+    # batched evaluation (after the single-sequence table): the eval prompts decoded in groups of
+    # each of these batch sizes by batched AR and the bank's methods (batch_table.md); each >= 1
+    # and at most batch_prompts; empty: no batched evaluation (needs lossless=exact)
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    batch_prompts: int = at_least(8, 8)  # eval prompts (the split's first) decoded at each batch size
 
 
 @dataclass

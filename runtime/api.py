@@ -36,6 +36,7 @@ class Generation:
     tokens: list[int]
     stats: dict[str, Any] = field(default_factory=dict)
     result: GenerationResult | None = None
+    error: str | None = None  # in a batch: why this prompt was not decoded (the others were)
 
 
 def render_chat(model_dir: Path, prompt: str, system: str | None = None) -> str:
@@ -262,6 +263,82 @@ class EntMTP:
         stats["sampling"] = sampler.config.to_dict()
         stats["acceptance"] = acceptance_dict(decoder.acceptance)
         return Generation(text=text, tokens=res.tokens, stats=stats, result=res)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int = 128,
+        policy: str | int | None = None,
+        batch_size: int | None = None,
+        chat: bool = True,
+        truncate: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        ar: bool = False,
+    ) -> list[Generation]:
+        """Decode several prompts together, `batch_size` at a time (default: all at once): each step
+        verifies every live sequence's tree in one forward, each sequence with its own cache,
+        positions and tree (`policy` as in `generate`, one scheduler per sequence), and a sequence
+        leaves the batch when it finishes. Lossless per sequence: under the exact lossless mode
+        every output equals that prompt decoded alone by AR, whatever shares the batch.
+
+        A prompt that cannot be decoded (empty, or too long for the KV cache without `truncate`)
+        comes back with `error` set and no tokens; the others are decoded. `ar=True` decodes with
+        plain AR instead, batched the same way (the baseline). Each result's stats give its
+        tokens/step and the batch's tok/s (new tokens of the whole batch over its wall time)."""
+        from runtime.generate import ar_generate_batch
+
+        if isinstance(batch_size, bool) or batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be an int >= 1 (or None: every prompt in one batch), got {batch_size!r}")
+        if not prompts:
+            raise ValueError("no prompts to decode: give at least one")
+        if not self.model.invariant_rows and not self.model.kernel_decode:
+            raise ValueError("batched decoding needs lossless='exact' (row-invariant arithmetic); load the engine "
+                             "with lossless='exact' or decode the prompts one by one")
+        sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        out: list[Generation | None] = [None] * len(prompts)
+        ready: list[tuple[int, list[int]]] = []
+        for k, prompt in enumerate(prompts):
+            try:
+                ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate)
+                self._check_room(ids, max_new_tokens)
+                ready.append((k, ids))
+            except ValueError as err:
+                out[k] = Generation(text="", tokens=[], stats={}, error=str(err))
+        size = batch_size or max(len(ready), 1)
+        decoder = self.decoder_for(None)
+        for first in range(0, len(ready), size):
+            group = ready[first:first + size]
+            ids = [g[1] for g in group]
+            t0 = clock(self.model.device)
+            if ar:
+                results = [GenerationResult(tokens=t) for t in ar_generate_batch(self.model, ids, max_new_tokens,
+                                                                                 sampler=sampler)]
+            else:
+                results = decoder.generate_batch(ids, max_new_tokens, choose=[self.scheduler(policy) for _ in ids],
+                                                 sampler=sampler)
+            seconds = clock(self.model.device) - t0
+            batch_tokens = sum(len(r.tokens) for r in results)
+            for (k, _), res in zip(group, results):
+                stats = res.stats() if res.steps else {"new_tokens": len(res.tokens), "tokens_per_step": 1.0}
+                if "trees_used" in stats:
+                    stats["trees_used"] = {self.bank.trees[t].num_nodes: n for t, n in stats["trees_used"].items()}
+                stats.update(batch_size=len(group), batch_seconds=round(seconds, 4),
+                             batch_tok_per_s=round(batch_tokens / seconds, 2) if seconds > 0 else float("nan"))
+                text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
+                out[k] = Generation(text=text, tokens=res.tokens, stats=stats, result=res)
+        return [g for g in out if g is not None]
+
+    def _check_room(self, ids: list[int], max_new_tokens: int) -> None:
+        """The decoder's own capacity check, made before a batch starts (one prompt must not stop the batch)."""
+        tree = max(int(b.depths.numel()) for b in self.bank.buffers)
+        need = len(ids) + max_new_tokens + tree
+        if need > self.model.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) + largest tree ({tree} "
+                             f"nodes) = {need} exceeds the KV cache capacity {self.model.max_seq_len}; shorten it, "
+                             "pass truncate='left', or load the model with a larger max_seq_len")
 
     def generate_ar(self, prompt: str | Sequence[int], max_new_tokens: int = 128, chat: bool = True,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Generation:

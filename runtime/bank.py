@@ -142,6 +142,10 @@ class TopologyBank:
     provenance: dict[str, Any] = field(default_factory=dict)
     buffers: list[TreeBuffers] = field(default_factory=list)
     path: Path | None = None
+    # per batch size: the best tree (or none), the best chain and every tree's step cost and batch
+    # throughput, as bank.json's "batch_sizes" holds them (`runtime.schedule`); None for a bank
+    # timed at batch size 1 only
+    batch_schedule: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.buffers:
@@ -164,6 +168,13 @@ class TopologyBank:
             lines.append(f"  [{k}] nodes={t.num_nodes:3d} depth={t.depth} tokens/step={nan if tps is None else tps:.3f} "
                          f"step={nan if ms is None else ms:.1f} ms tok/s={nan if tok_s is None else tok_s:.1f}{star}")
         lines.append(f"  policies: {', '.join(self.policies) or 'none'} (default {self.default_policy})")
+        for b, entry in sorted((self.batch_schedule or {}).items(), key=lambda kv: int(kv[0])):
+            k, chain, ar = entry.get("best_static"), entry.get("best_chain"), entry.get("ar_tok_per_s")
+            tree = "no speculation (AR)" if k is None else (
+                f"tree [{k}] ({self.trees[k].num_nodes} nodes) {entry['tok_per_s'][k]:.1f} tok/s"
+                + (f" = {entry['tok_per_s'][k] / ar:.2f}x AR" if ar else ""))
+            lines.append(f"  batch {int(b):3d}: {tree}; AR {nan if ar is None else ar:.1f} tok/s; best chain "
+                         f"{'none' if chain is None else chain['depth']}")
         return "\n".join(lines)
 
     # ----------------------------------------------------------------------------------------
@@ -187,6 +198,8 @@ class TopologyBank:
             "buffers_sha256": _sha256(blob),
             "buffers_bytes": len(blob),
         }
+        if self.batch_schedule:
+            doc["batch_sizes"] = {str(b): v for b, v in self.batch_schedule.items()}
         # Round trip through JSON first, so the checksum covers exactly what a reader will parse.
         doc = json.loads(json.dumps(doc, default=_json_default))
         doc["doc_sha256"] = _doc_checksum(doc)
@@ -348,6 +361,14 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
         raise BankError(f"{where}: default_policy {_short(default)} is not among the stored policies {_short(sorted(policies))} "
                         f"(nor 'static'); {_REBUILD}")
     _check_policies(policies, len(trees), where)
+    batch = doc.get("batch_sizes")
+    if batch is not None:
+        from runtime.schedule import ScheduleError, choices_from_batch_sizes
+
+        try:
+            choices_from_batch_sizes(batch, trees, figures)
+        except ScheduleError as e:
+            raise BankError(f"{where}: its batch_sizes record is unusable ({e}); {_REBUILD}") from e
 
     # The tensors: sealed to this JSON, then parsed and recompiled-and-compared per tree.
     want_sha, want_bytes = doc.get("buffers_sha256"), doc.get("buffers_bytes")
@@ -388,4 +409,4 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
         raise BankError(f"{BUFFERS} of {where} holds tensors of no listed tree ({', '.join(extra[:5])}); "
                         f"the bank was assembled from different builds, {_REBUILD}")
     return TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
-                        oracle=doc["oracle"], provenance=doc["provenance"], buffers=buffers)
+                        oracle=doc["oracle"], provenance=doc["provenance"], buffers=buffers, batch_schedule=batch)

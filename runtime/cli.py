@@ -1,6 +1,7 @@
 """`entmtp` command line: generate with a bank, inspect a bank, export its trees.
 
   entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval --prompt "..." [--policy hysteresis] [--compare-ar]
+  entmtp generate --bank ... --prompts-file prompts.txt --batch 4 [--compare-ar]
   entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval
   entmtp export   artifacts/banks/.../humaneval --format vllm|trtllm|sglang|json [--batch-size B]
   entmtp export   artifacts/banks/.../humaneval --format legacy-vllm-tree|legacy-trtllm-medusa|tree-json [--tree best|K]
@@ -16,17 +17,95 @@ from pathlib import Path
 from runtime.bank import BankError, TopologyBank
 
 
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a file: JSON lines (a string, or an object with "prompt" or "text") when every
+    non-empty line parses as JSON, else one prompt per non-empty line."""
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} holds no prompts: write one prompt per line, or JSON lines")
+    try:
+        docs = [json.loads(line) for line in lines]
+    except json.JSONDecodeError:
+        return lines
+    prompts = []
+    for n, doc in enumerate(docs, 1):
+        value = doc if isinstance(doc, str) else doc.get("prompt", doc.get("text")) if isinstance(doc, dict) else None
+        if not isinstance(value, str):
+            raise ValueError(f"{path} line {n}: a JSON line must be a string or an object with a \"prompt\" string")
+        prompts.append(value)
+    return prompts
+
+
+def _generate_batch(args: argparse.Namespace, engine, sampling: dict) -> int:
+    """`--prompts-file`: decode every prompt, `--batch` at a time, and report per sequence."""
+    try:
+        prompts = read_prompts(args.prompts_file)
+    except (OSError, ValueError) as err:
+        print(f"entmtp: {err}", file=sys.stderr)
+        return 2
+    batch = args.batch or len(prompts)
+    timed = sorted(int(b) for b in (getattr(engine.bank, "batch_schedule", None) or {}))
+    if not timed:
+        print("[entmtp] this bank was timed at batch size 1 only; its trees may not pay at larger batches "
+              "(rebuild it to get a batch-size axis)", file=sys.stderr)
+    elif batch > timed[-1]:
+        print(f"[entmtp] the bank was timed up to batch size {timed[-1]}; batches of {batch} use its choices for "
+              f"{timed[-1]}", file=sys.stderr)
+    kw = dict(max_new_tokens=args.max_new_tokens, batch_size=batch, chat=not args.raw, truncate=args.truncate,
+              **sampling)
+    outs = engine.generate_batch(prompts, policy=args.policy, **kw)
+    ars = engine.generate_batch(prompts, ar=True, **kw) if args.compare_ar else [None] * len(outs)
+    for k, (out, ar) in enumerate(zip(outs, ars)):
+        if out.error:
+            print(json.dumps({"prompt": k, "error": out.error}))
+            continue
+        line = {"prompt": k, "new_tokens": len(out.tokens), "tokens_per_step": out.stats.get("tokens_per_step"),
+                "text": out.text}
+        if ar is not None:
+            line["identical_to_ar"] = ar.tokens == out.tokens
+        print(json.dumps(line, ensure_ascii=False))
+    done = [o for o in outs if not o.error]
+    if not done:
+        print("[entmtp] no prompt could be decoded", file=sys.stderr)
+        return 1
+    speed = _batch_speed(done)
+    summary = f"[entmtp] {len(done)} prompts in batches of {batch}: EntMTP {speed:.1f} tok/s"
+    if args.compare_ar:
+        ar_speed = _batch_speed([a for a in ars if not a.error])
+        same = sum(a.tokens == o.tokens for a, o in zip(ars, outs) if not o.error)
+        summary += f" vs batched AR {ar_speed:.1f} tok/s ({speed / ar_speed:.2f}x); {same}/{len(done)} outputs identical"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def _batch_speed(outs: list) -> float:
+    """New tokens over wall time, summed over the batches (each batch's time counted once)."""
+    batches: dict[tuple[float, int], int] = {}
+    for o in outs:
+        key = (o.stats["batch_seconds"], o.stats["batch_size"])
+        batches[key] = batches.get(key, 0) + len(o.tokens)
+    return sum(batches.values()) / sum(seconds for seconds, _ in batches)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from runtime.api import EntMTP
 
+    if args.batch is not None and args.batch < 1:
+        print(f"entmtp: --batch must be at least 1, got {args.batch}", file=sys.stderr)
+        return 2
+    if args.batch is not None and args.prompts_file is None:
+        print("entmtp: --batch needs --prompts-file (one prompt per line, or JSON lines)", file=sys.stderr)
+        return 2
     acceptance = None  # the bank's
     if args.acceptance is not None:
         acceptance = {"kind": args.acceptance, "temperature": args.typical_temperature, "epsilon": args.epsilon,
                       "alpha": args.alpha}
     engine = EntMTP.load(args.bank, model_dir=args.model, heads_dir=args.heads, dtype=args.dtype, force=args.force,
                          device=args.device, acceptance=acceptance, lossless=args.lossless)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+    if args.prompts_file is not None:
+        return _generate_batch(args, engine, sampling)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     out = engine.generate(prompt, args.max_new_tokens, policy=args.policy, chat=not args.raw,
                           stream=lambda s: print(s, end="", flush=True), **sampling)
     print()
@@ -97,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="decode a prompt with a bank, streaming text")
     g.add_argument("--bank", required=True, help="bank folder (artifacts/banks/<model>/<heads>/<task>)")
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
+    g.add_argument("--prompts-file", default=None, help="decode many prompts: one per line, or JSON lines")
+    g.add_argument("--batch", type=int, default=None, help="with --prompts-file: sequences decoded together "
+                   "(default: all)")
+    g.add_argument("--truncate", default=None, choices=["left"],
+                   help="keep the end of a prompt too long for the KV cache (default: report it)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--policy", default=None, help="static | ladder | hysteresis | expected_throughput | a tree index")
     g.add_argument("--temperature", type=float, default=0.0,

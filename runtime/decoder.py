@@ -263,6 +263,7 @@ class TreeDecoder:
         choose: Scheduler | int | Sequence[Scheduler | int] = 0,
         eos_ids: Sequence[int] | None = None,
         sampler: Sampler | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> list[GenerationResult]:
         """Decode several prompts together: every step verifies the tree rows of every live
         sequence in one forward (`Transformer.forward_batch`), each sequence with its own KV cache,
@@ -272,7 +273,8 @@ class TreeDecoder:
 
         Lossless per sequence: in the row-invariant arithmetic (`lossless: exact`) each sequence's
         tokens are exactly what `generate` (and so AR) gives that prompt alone, whatever else is in
-        the batch. Each result's `decode_seconds` is the batch's time until that sequence finished."""
+        the batch. Each result's `decode_seconds` is the batch's time until that sequence finished.
+        `on_step` is called after every batch step (e.g. to time the steps)."""
         if not prompts:
             raise ValueError("no prompts to decode")
         n = len(prompts)
@@ -310,6 +312,8 @@ class TreeDecoder:
                     if seq.done:
                         seq.result.decode_seconds = clock(model.device) - t_dec
                 live = [s for s in live if not s.done]
+                if on_step:
+                    on_step()
         finally:
             if own is not None:
                 model.use_cache(own)

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from runtime.model import Transformer, load_model, load_tokenizer
+from runtime.model import BatchItem, Transformer, load_model, load_tokenizer
 from runtime.sampling import RowPositions, Sampler
 
-__all__ = ["ar_generate", "load_model", "load_tokenizer", "main"]
+__all__ = ["ar_generate", "ar_generate_batch", "load_model", "load_tokenizer", "main"]
 
 
 def check_prompt(model: Transformer, input_ids: list[int], max_new_tokens: int) -> None:
@@ -75,6 +75,55 @@ def ar_generate(model: Transformer, input_ids: list[int], max_new_tokens: int,
         token.fill_(nxt)
         pos.fill_(model.cache_len)
         logits, _ = model(token, pos)
+
+
+@torch.inference_mode()
+def ar_generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int | list[int],
+                      eos_ids: Iterable[int] | None = None, sampler: Sampler | None = None) -> list[list[int]]:
+    """`ar_generate` of several prompts together, the batched baseline: each step runs one token of
+    every live sequence in one forward (`Transformer.forward_batch`, each sequence with its own KV
+    cache), and a sequence leaves the batch after its EOS or token limit. Needs the row-invariant
+    arithmetic (`lossless: exact`); each sequence's tokens are then exactly `ar_generate`'s for it
+    alone. The model's own cache is left as it was."""
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if not prompts or len(limits) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts and {len(limits)} token limits: give at least one prompt, one limit each")
+    prompts = [[int(t) for t in p] for p in prompts]
+    for p, n in zip(prompts, limits):
+        check_prompt(model, p, n)
+    stop = set(model.args.eos_token_ids if eos_ids is None else (int(t) for t in eos_ids))
+    sampled = sampler is not None and not sampler.greedy
+    device = model.device
+    row_offset = torch.zeros(1, dtype=torch.long, device=device)
+
+    def pick(logits_row: torch.Tensor, emitted: int) -> int:
+        if sampled:
+            return int(sampler.next_tokens(logits_row[None], RowPositions(emitted, row_offset, 1))[0])
+        return int(logits_row.argmax())
+
+    own = model.cache
+    outs: list[list[int]] = [[] for _ in prompts]
+    caches = []
+    try:
+        for k, p in enumerate(prompts):
+            cache = model.new_cache()
+            caches.append(cache)
+            if limits[k] == 0:
+                continue
+            model.use_cache(cache)
+            logits, _ = model(torch.tensor([p], device=device), torch.arange(len(p), device=device), last_only=True)
+            outs[k].append(pick(logits[0, -1], 0))
+        live = [k for k in range(len(prompts)) if outs[k] and outs[k][-1] not in stop and len(outs[k]) < limits[k]]
+        while live:
+            items = [BatchItem(caches[k], torch.tensor([outs[k][-1]], device=device),
+                               torch.tensor([caches[k].length], device=device), [[0]]) for k in live]
+            for k, (logits, _) in zip(live, model.forward_batch(items)):
+                outs[k].append(pick(logits[-1], len(outs[k])))
+            live = [k for k in live if outs[k][-1] not in stop and len(outs[k]) < limits[k]]
+    finally:
+        if own is not None:
+            model.use_cache(own)
+    return outs
 
 
 def main(argv: list[str] | None = None) -> None:

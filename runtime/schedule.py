@@ -46,8 +46,7 @@ Keys must be distinct batch sizes >= 1; ``step_ms`` and ``tok_per_s`` hold exact
 bank tree, and the entry of ``best_static`` must be measured. A tree's tokens per step do not
 depend on the batch size (acceptance is per sequence); they come from the bank's per-tree figures.
 In memory, ``bank.batch_schedule`` holds the same mapping (int keys allowed); None or an empty
-mapping there means no batch axis. Without the attribute, the ``"batch_sizes"`` of the bank.json the
-bank was loaded from is read (after checking it still lists the loaded trees).
+mapping there means no batch axis.
 
 Banks built before the batch axis (no ``"batch_sizes"``) give a schedule of batch size 1 only, marked
 ``approximate``: the tree is the bank's best static tree with its figures; ``chain_len`` is the depth
@@ -58,11 +57,9 @@ when the bank holds that chain; ``ar_step_ms`` is ``1000 / provenance["ar_tok_pe
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.tree import Tree
@@ -399,32 +396,12 @@ def _legacy_choice(bank: TopologyBank) -> ServingChoice:
     )
 
 
-def _recorded_batch_sizes(bank: TopologyBank) -> Mapping[Any, Any] | None:
-    """``bank.batch_schedule`` when the loader provides it; else ``"batch_sizes"`` of the bank.json the bank
-    was loaded from (checked to list the same trees), else None."""
-    recorded = getattr(bank, "batch_schedule", None)
-    if recorded is not None and not (isinstance(recorded, Mapping) and not recorded):
-        return recorded  # an empty mapping is a loader's way of saying "no batch axis"
-    path = getattr(bank, "path", None)
-    if path is None or not (Path(path) / "bank.json").is_file():
-        return None
-    try:
-        doc = json.loads((Path(path) / "bank.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ScheduleError(f"{Path(path) / 'bank.json'} cannot be read again ({e}); load the bank again") from e
-    if not isinstance(doc, dict) or doc.get(BANK_KEY) is None:
-        return None
-    listed = [Tree(e["paths"]) for e in doc.get("trees", []) if isinstance(e, dict) and "paths" in e]
-    if listed != list(bank.trees):
-        raise ScheduleError(f"{Path(path) / 'bank.json'} no longer lists the loaded bank's trees (it changed after "
-                            "loading); load the bank again")
-    return doc[BANK_KEY]
-
-
 def schedule_from_bank(bank: TopologyBank) -> ServingSchedule:
     """The bank's serving schedule: its ``"batch_sizes"`` record when it has one, else batch size 1 only
     (``approximate``; see the module docstring for both)."""
-    recorded = _recorded_batch_sizes(bank)
+    recorded = bank.batch_schedule
+    if isinstance(recorded, Mapping) and not recorded:  # empty: no batch axis
+        recorded = None
     source = None if getattr(bank, "path", None) is None else str(bank.path)
     if recorded is None:
         return ServingSchedule(choices=(_legacy_choice(bank),), trees=tuple(bank.trees), source=source,

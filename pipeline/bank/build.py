@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.rollout import load_rollout  # noqa: E402
-from pipeline.bank.selection import bank_members, throughput_hull  # noqa: E402
+from pipeline.bank.selection import bank_members, batch_choices, throughput_hull  # noqa: E402
 from runtime.bank import TopologyBank  # noqa: E402
 from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
@@ -25,7 +25,8 @@ def build_bank(
     from pipeline.fit_policy import fit_all_policies
 
     # pruned trees cannot pay for their cost (most were not checked by a timed decode either)
-    cands = [c for c in timing["trees"] if c.get("tok_per_s") is not None and "pruned" not in c]
+    kept = [i for i, c in enumerate(timing["trees"]) if c.get("tok_per_s") is not None and "pruned" not in c]
+    cands = [timing["trees"][i] for i in kept]
     recal_by_paths = {Tree(r["paths"]): r for r in recal["trees"]}
     rollouts = load_rollout(rollout_dir)
     hull = throughput_hull([c["nodes"] for c in cands], [c["tok_per_s"] for c in cands])
@@ -58,10 +59,17 @@ def build_bank(
     default = policy_cfg.get("name", "static")
     if default not in policies:
         default = "static"
+    batch = None
+    if timing.get("batch"):  # the trees chosen at each batch size (a time stage of before the batch axis has none)
+        batch = batch_choices(timing["batch"], [kept[k] for k in chosen], [t.num_nodes for t in trees], best,
+                              tie_tolerance)
     bank = TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
                         oracle=fitted["oracle"], provenance={**provenance, "fit": {n: f.get("replay") for n, f in fitted["policies"].items()},
-                                                              "ar_tok_per_s": timing["ar_tok_per_s"]})
+                                                              "ar_tok_per_s": timing["ar_tok_per_s"]},
+                        batch_schedule=batch)
     bank.save(out)
+    if batch:
+        plot_batch_throughput(trees, batch, out / "batch_throughput.png", provenance)
     plot_acceptance_frontier(frontier, out / "acceptance_frontier.png", provenance.get("task", ""))
     pruned = [c["nodes"] for c in timing["trees"] if c.get("tok_per_s") is None or "pruned" in c]
     plot_throughput_frontier(cands, hull, chosen, pruned, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)
@@ -157,3 +165,31 @@ def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: d
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_batch_throughput(trees: list[Tree], batch: dict[str, dict[str, Any]], path: Path, provenance: dict) -> None:
+    """Batch throughput (modeled, tokens/s summed over the batch) against batch size, for AR and
+    every bank tree, the best tree at each batch size marked: where the lines cross, a smaller tree
+    (or no speculation) takes over."""
+    sizes = sorted(int(b) for b in batch)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, t in enumerate(trees):
+        ys = [batch[str(b)]["tok_per_s"][k] for b in sizes]
+        label = "AR (root only)" if t.num_nodes == 1 else f"{t.num_nodes} nodes, depth {t.depth}"
+        ax.plot(sizes, ys, marker="o", lw=2.5 if t.num_nodes == 1 else 1.5, label=label,
+                color="black" if t.num_nodes == 1 else None)
+    best = [(b, batch[str(b)]["tok_per_s"][batch[str(b)]["best_static"]]) for b in sizes
+            if batch[str(b)]["best_static"] is not None]
+    if best:
+        ax.scatter(*zip(*best), s=160, facecolors="none", edgecolors="red", zorder=5, label="bank's choice")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size (sequences decoded together)")
+    ax.set_ylabel("modeled tok/s, summed over the batch")
+    ax.set_title(f"Batch throughput: {provenance.get('task', '')} ({_machine_line(provenance)})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

@@ -3,6 +3,8 @@ trees the per-step oracle uses, and the tie rule for the best static tree."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from runtime.tree import Tree
 
 MEMBERS = ("hull", "oracle")
@@ -50,3 +52,27 @@ def throughput_hull(nodes: list[int], tok_per_s: list[float]) -> list[int]:
             keep.append(k)
             best = tok_per_s[k]
     return keep
+
+
+def batch_choices(batch: dict[str, Any], members: list[int], nodes: list[int], best_static: int,
+                  tolerance: float) -> dict[str, dict[str, Any]]:
+    """The bank's "batch_sizes" record (the contract in `runtime.schedule`) from the time stage's
+    batch axis: at each batch size, every bank tree's modeled batched step and batch tok/s
+    (`members`: the bank trees' indices among the timed candidates; `nodes`: their sizes), the
+    best tree (the smallest within `tolerance` of the fastest; none where that is the root alone
+    or no faster than AR: no speculation at that batch size; batch 1 keeps the bank's
+    `best_static`), the best chain likewise, and AR's step."""
+    out: dict[str, dict[str, Any]] = {}
+    for b, entry in sorted(batch["per_batch"].items(), key=lambda kv: int(kv[0])):
+        rows = [entry["trees"][i] for i in members]
+        tok = [r["tok_per_s"] for r in rows]
+        k = best_static if int(b) == 1 else smallest_near_best(tok, tolerance)
+        if nodes[k] == 1 or tok[k] <= entry["ar_tok_per_s"]:
+            k = None
+        chains = [c for c in entry.get("chains", []) if c["tok_per_s"] > entry["ar_tok_per_s"]]
+        chain = max(chains, key=lambda c: c["tok_per_s"]) if chains else None
+        out[b] = {"best_static": k, "best_chain": chain and {key: chain[key] for key in
+                                                             ("depth", "tokens_per_step", "step_ms", "tok_per_s")},
+                  "ar_step_ms": entry["ar_step_ms"], "ar_tok_per_s": entry["ar_tok_per_s"],
+                  "step_ms": [r["step_ms"] for r in rows], "tok_per_s": tok}
+    return out

@@ -137,6 +137,10 @@ class StepCostModel:
     dtype: str = ""
     threads: int = 0
     machine: dict[str, Any] = field(default_factory=dict)
+    # the batch axis (`pipeline.timing.batch`): batch sizes measured, and per batch size and verify_rows
+    # entry the batched forward of B sequences over the one-sequence forward at the reference context
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    batch_verify_ratio: list[list[float]] = field(default_factory=list)
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -164,6 +168,11 @@ class StepCostModel:
             raise ValueError(f"{what}: every timing must be a finite number")
         if self.phase_ms < 0 or self.phase_context < 0:
             raise ValueError(f"{what}: phase_ms and phase_context must be >= 0")
+        if self.batch_sizes != [1] and (len(self.batch_verify_ratio) != len(self.batch_sizes) or any(
+                len(r) != len(self.verify_rows) or not all(math.isfinite(v) and v > 0 for v in r)
+                for r in self.batch_verify_ratio)):
+            raise ValueError(f"{what}: batch_verify_ratio must be [{len(self.batch_sizes)} batch sizes]"
+                             f"[{len(self.verify_rows)} rows] of positive ratios; rebuild the time stage (force=true)")
         if not (isinstance(self.in_situ, (int, float)) and math.isfinite(self.in_situ) and self.in_situ > 0):
             raise ValueError(f"{what}: in_situ must be a positive number (draft + verify inside decodes over the same "
                              f"parts measured alone), got {self.in_situ}; rebuild the time stage (force=true)")

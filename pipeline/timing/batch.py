@@ -1,0 +1,183 @@
+"""The batch-size axis of the step-cost model: what a step costs when B sequences decode together.
+
+In a batched step (`runtime.decoder.TreeDecoder.generate_batch`) the heads draft each sequence's
+tree in turn, one forward verifies the rows of all B sequences (`Transformer.forward_batch`: the
+matrix products once over B x N rows, attention per sequence over its own cache), and each
+sequence then accepts, compacts its cache and feeds its heads in turn. So
+
+    step_B(tree) = B * (draft + fixed) + verify_B(N rows per sequence, context)
+
+with draft and fixed from the single-sequence model and verify_B measured: forwards of B
+sequences x N rows at the reference context, each a ratio to the one-sequence forward of the
+same N timed in the same pass (a shared machine's speed phases cancel), times the model's own
+verify(N). A tree that pays for one sequence stops paying once B x N rows leave the
+memory-bound regime: the ratio grows with B faster for big N than for small.
+
+Timed batched decodes check the model per tree and batch size (`check_batch_steps`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pipeline.timing.step_cost import StepCostModel, _interp, error_pct, fill_cache, nondecreasing
+from runtime.decoder import TreeDecoder
+from runtime.model import BatchItem, KVCache, Transformer
+from runtime.sampling import Sampler
+from runtime.tree import Tree
+
+WARMUP = 1
+
+
+def _chain_ancestors(rows: int) -> list[list[int]]:
+    return [list(range(i + 1)) for i in range(rows)]
+
+
+@torch.inference_mode()
+def measure_batch_verify(model: Transformer, batch_sizes: Sequence[int], rows: Sequence[int], context: int,
+                         repeats: int, now: Callable[[], float]) -> dict[tuple[int, int], float]:
+    """Median over `repeats` passes of verify_B(N) / verify_1(N) for every B in `batch_sizes` and N
+    in `rows`: one `forward_batch` of B sequences x N new rows (a chain each) after `context`
+    committed positions per sequence, over the one-sequence forward of N rows in the same pass.
+    The model's own cache is left as it was."""
+    if not batch_sizes or min(batch_sizes) < 1 or not rows or min(rows) < 1:
+        raise ValueError(f"batch sizes and row counts must be positive, got {list(batch_sizes)} and {list(rows)}")
+    own = model.cache
+    gen = torch.Generator().manual_seed(2)
+    caches: list[KVCache] = []
+    try:
+        for _ in range(max(batch_sizes)):
+            cache = model.new_cache()
+            model.use_cache(cache)
+            fill_cache(model, context, gen)
+            caches.append(cache)
+        dev = model.device
+        samples: dict[tuple[int, int], list[float]] = {}
+        for rep in range(WARMUP + repeats):
+            for n in rows:
+                for b in sorted(set(batch_sizes) | {1}):
+                    items = [BatchItem(c, torch.randint(0, model.args.vocab_size, (n,), generator=gen).to(dev),
+                                       torch.arange(context, context + n, device=dev), _chain_ancestors(n))
+                             for c in caches[:b]]
+                    t0 = now()
+                    model.forward_batch(items)
+                    dt = now() - t0
+                    for c in caches[:b]:
+                        c.length = context
+                    if rep >= WARMUP:
+                        samples.setdefault((b, n), []).append(dt)
+    finally:
+        if own is not None:
+            model.use_cache(own)
+    return {(b, n): statistics.median(x / ref for x, ref in zip(samples[(b, n)], samples[(1, n)]))
+            for b in batch_sizes for n in rows}
+
+
+def batch_table(ratios: dict[tuple[int, int], float], batch_sizes: Sequence[int], rows: Sequence[int]) -> list[list[float]]:
+    """[B index][N index] ratios, made non-decreasing in N and in B (more rows never cost less)."""
+    table = [[ratios[(b, n)] for n in rows] for b in batch_sizes]
+    table = [nondecreasing(r) for r in table]
+    cols = [nondecreasing(c) for c in zip(*table)]
+    return [list(r) for r in zip(*cols)]
+
+
+def predict_batch(model: StepCostModel, tree: Tree, context: float, batch: int) -> dict[str, float]:
+    """{draft_ms, verify_ms, fixed_ms, step_ms} of one batched step of `batch` sequences, each with
+    `tree` at context length `context` (see the module docstring)."""
+    single = model.predict(tree, context)
+    if batch == 1:
+        return single
+    if batch not in model.batch_sizes:
+        raise ValueError(f"batch size {batch} was not measured; the step-cost model has {model.batch_sizes}")
+    ratio = _interp(model.verify_rows, model.batch_verify_ratio[model.batch_sizes.index(batch)], tree.num_nodes)
+    parts = {"draft_ms": batch * single["draft_ms"], "verify_ms": ratio * single["verify_ms"],
+             "fixed_ms": batch * single["fixed_ms"]}
+    return {**parts, "step_ms": sum(parts.values())}
+
+
+def batch_tokens_per_second(batch: int, tokens_per_step: float, step_s: float, prefill_s: float, new_tokens: int) -> float:
+    """Output tok/s summed over a batch of `batch` sequences of `new_tokens` each: their prefills run
+    one after the other, then steps of the whole batch (`pipeline.timing.checks.e2e_tokens_per_second`
+    at batch 1)."""
+    return batch * new_tokens / (batch * prefill_s + (new_tokens - 1) / tokens_per_step * step_s)
+
+
+@torch.inference_mode()
+def check_batch_steps(decoder: TreeDecoder, prompt: list[int], trees: Sequence[int], batch_sizes: Sequence[int],
+                      new_tokens: int, sampler: Sampler | None, now: Callable[[], float],
+                      progress: Callable[[], None] | None = None, warmup_steps: int = 2) -> dict[tuple[int, int], float]:
+    """Median seconds of a batched step, per (tree index, batch size): `generate_batch` of B copies of
+    `prompt` (identical sequences accept alike, so the batch stays whole to the end), its first
+    `warmup_steps` steps dropped. A median, so that one stall of a shared machine does not count."""
+    out: dict[tuple[int, int], float] = {}
+    decoder.generate_batch([prompt], 4, choose=trees[0], sampler=sampler)  # warm-up
+    for b in batch_sizes:
+        for k in trees:
+            marks = [now()]
+            decoder.generate_batch([prompt] * b, new_tokens, choose=k, sampler=sampler, on_step=lambda: marks.append(now()))
+            steps = [y - x for x, y in zip(marks[1:], marks[2:])]
+            out[(k, b)] = statistics.median(steps[warmup_steps:] or steps or [marks[-1] - marks[0]])
+            if progress:
+                progress()
+    return out
+
+
+def batch_entries(model: StepCostModel, trees: Sequence[Tree], tokens_per_step: Sequence[float],
+                  measured: dict[tuple[int, int], float], context: float, prefill_s: float,
+                  new_tokens: int) -> dict[str, Any]:
+    """What timing.json records of the batch axis: per batch size, every tree's modeled step and batch
+    tok/s (and, where timed, the measured step and the model's error), and AR's."""
+    out: dict[str, Any] = {"sizes": list(model.batch_sizes), "context": context, "per_batch": {}}
+    ar = Tree([])
+    for b in model.batch_sizes:
+        ar_ms = predict_batch(model, ar, context, b)["step_ms"]
+        entry: dict[str, Any] = {"ar_step_ms": ar_ms,
+                                 "ar_tok_per_s": batch_tokens_per_second(b, 1.0, ar_ms / 1000, prefill_s, new_tokens),
+                                 "trees": []}
+        for k, (t, tps) in enumerate(zip(trees, tokens_per_step)):
+            ms = predict_batch(model, t, context, b)["step_ms"]
+            row: dict[str, Any] = {"step_ms": ms, "tok_per_s": batch_tokens_per_second(b, tps, ms / 1000, prefill_s,
+                                                                                        new_tokens)}
+            if (k, b) in measured:
+                row["measured_step_ms"] = 1000 * measured[(k, b)]
+                row["model_error_pct"] = error_pct(ms, row["measured_step_ms"])
+            entry["trees"].append(row)
+        out["per_batch"][str(b)] = entry
+    return out
+
+
+def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequence[Tree], tokens_per_step: Sequence[float],
+                       timed: Sequence[int], batch_sizes: Sequence[int], context: int, prompt: list[int], *,
+                       repeats: int, new_tokens: int, check_tokens: int, prefill_s: float, sampler: Sampler | None,
+                       now: Callable[[], float], chains: Sequence[tuple[Tree, float]] = (),
+                       progress: Callable[[], None] | None = None) -> dict[str, Any]:
+    """The batch axis of `model` (set in place: `batch_sizes`, `batch_verify_ratio`), then every
+    tree's (and chain's) modeled batched step and batch tok/s, checked against timed batched
+    decodes of the trees in `timed` at every batch size > 1."""
+    sizes = sorted({int(b) for b in batch_sizes} | {1})
+    ratios = measure_batch_verify(decoder.model, sizes, model.verify_rows, context, repeats, now)
+    model.batch_sizes = sizes
+    model.batch_verify_ratio = batch_table(ratios, sizes, model.verify_rows)
+    measured = check_batch_steps(decoder, prompt, list(timed), [b for b in sizes if b > 1], check_tokens, sampler,
+                                 now, progress)
+    # a batched decode runs at the context its prompt gives: the check compares at that context
+    check_ctx = len(prompt) + check_tokens / 2
+    out = batch_entries(model, trees, tokens_per_step, {}, context, prefill_s, new_tokens)
+    checked = batch_entries(model, trees, tokens_per_step, measured, check_ctx, prefill_s, new_tokens)
+    for b, entry in out["per_batch"].items():
+        for row, chk in zip(entry["trees"], checked["per_batch"][b]["trees"]):
+            if "measured_step_ms" in chk:
+                row.update(measured_step_ms=chk["measured_step_ms"], model_error_pct=chk["model_error_pct"],
+                           check_context=check_ctx)
+        entry["chains"] = [{"depth": t.depth, "tokens_per_step": tps,
+                            "step_ms": predict_batch(model, t, context, int(b))["step_ms"]} for t, tps in chains]
+        for c in entry["chains"]:
+            c["tok_per_s"] = batch_tokens_per_second(int(b), c["tokens_per_step"], c["step_ms"] / 1000, prefill_s,
+                                                     new_tokens)
+    errors = [abs(r["model_error_pct"]) for e in out["per_batch"].values() for r in e["trees"] if "model_error_pct" in r]
+    out["max_abs_error_pct"] = max(errors) if errors else None
+    return out

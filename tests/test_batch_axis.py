@@ -1,0 +1,107 @@
+"""The batch-size axis of the step-cost model and of the bank: what a step of B sequences costs,
+which tree pays at each batch size, and the bank record the serving exports read."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pipeline.bank.selection import batch_choices
+from pipeline.timing.batch import batch_table, batch_tokens_per_second, measure_batch_verify, predict_batch
+from pipeline.timing.step_cost import StepCostModel
+from runtime.bank import BankError, TopologyBank
+from runtime.schedule import schedule_from_bank
+from runtime.tree import Tree
+from tests.helpers import make_bank, reseal, tiny_model
+from tests.test_step_cost import _synthetic_model as step_model
+
+
+def _with_batch(model: StepCostModel, sizes: list[int], per_row: float) -> StepCostModel:
+    """The model with a batch axis whose verify ratio grows with B and with the rows."""
+    model.batch_sizes = sizes
+    model.batch_verify_ratio = [[1 + per_row * (b - 1) * n for n in model.verify_rows] for b in sizes]
+    model.validate()
+    return model
+
+
+def test_a_batched_step_drafts_and_finishes_each_sequence_and_verifies_all_rows_at_once() -> None:
+    model = _with_batch(step_model(), [1, 2, 4], per_row=0.01)
+    tree = Tree([(0,), (1,), (0, 0)])
+    one = model.predict(tree, 200)
+    assert predict_batch(model, tree, 200, 1) == one
+    four = predict_batch(model, tree, 200, 4)
+    assert four["draft_ms"] == pytest.approx(4 * one["draft_ms"]) and four["fixed_ms"] == pytest.approx(4 * one["fixed_ms"])
+    assert four["verify_ms"] == pytest.approx((1 + 0.01 * 3 * tree.num_nodes) * one["verify_ms"])
+    with pytest.raises(ValueError, match="batch size 3 was not measured"):
+        predict_batch(model, tree, 200, 3)
+
+
+def test_the_batch_axis_is_checked_when_a_model_is_loaded() -> None:
+    model = step_model()
+    model.batch_sizes, model.batch_verify_ratio = [1, 2], [[1.0] * len(model.verify_rows)]
+    with pytest.raises(ValueError, match="batch_verify_ratio"):
+        model.validate()
+    assert StepCostModel.from_dict(_with_batch(step_model(), [1, 2], 0.01).to_dict()).batch_sizes == [1, 2]
+
+
+def test_ratios_become_monotone_in_rows_and_batch() -> None:
+    ratios = {(1, 1): 1.0, (1, 4): 1.0, (2, 1): 1.3, (2, 4): 1.2, (4, 1): 1.25, (4, 4): 2.0}
+    table = batch_table(ratios, [1, 2, 4], [1, 4])
+    assert all(a <= b for row in table for a, b in zip(row, row[1:]))
+    assert all(a <= b for col in zip(*table) for a, b in zip(col, col[1:]))
+
+
+@torch.inference_mode()
+def test_measured_batch_verify_ratios_on_a_real_forward() -> None:
+    model = tiny_model()
+    model.set_row_invariance(4)
+    ratios = measure_batch_verify(model, [1, 2, 4], [1, 3], context=20, repeats=2, now=__import__("time").perf_counter)
+    assert set(ratios) == {(b, n) for b in (1, 2, 4) for n in (1, 3)}
+    assert all(r == 1.0 for (b, _), r in ratios.items() if b == 1)
+    assert all(math.isfinite(r) and r > 0 for r in ratios.values())
+    assert model.cache_len == 0  # the model's own cache is left as it was
+
+
+def _batch_record(ar_ms: dict[int, float], tree_ms: dict[int, list[float]], tps: list[float]) -> dict:
+    """A time stage's batch axis for trees with these tokens/step and step costs (ms) per batch size."""
+    per = {}
+    for b, ms in tree_ms.items():
+        per[str(b)] = {"ar_step_ms": ar_ms[b], "ar_tok_per_s": batch_tokens_per_second(b, 1.0, ar_ms[b] / 1e3, 0.05, 64),
+                       "trees": [{"step_ms": m, "tok_per_s": batch_tokens_per_second(b, t, m / 1e3, 0.05, 64)}
+                                 for m, t in zip(ms, tps)],
+                       "chains": [{"depth": 1, "tokens_per_step": tps[1], "step_ms": ms[1],
+                                   "tok_per_s": batch_tokens_per_second(b, tps[1], ms[1] / 1e3, 0.05, 64)}]}
+    return {"sizes": sorted(tree_ms), "per_batch": per}
+
+
+def test_the_best_tree_shrinks_as_the_batch_grows_and_ar_takes_over() -> None:
+    # root, a 2-node and a 9-node tree: cheap rows at batch 1, rows that cost their share at batch 8
+    tps = [1.0, 1.45, 2.0]
+    record = _batch_record({1: 30, 2: 33, 8: 60},
+                           {1: [30, 31, 38], 2: [33, 36, 55], 8: [60, 95, 240]}, tps)
+    choices = batch_choices(record, [0, 1, 2], [1, 2, 9], best_static=2, tolerance=0.02)
+    assert choices["1"]["best_static"] == 2       # batch 1 keeps the bank's own EntMTP*
+    assert choices["2"]["best_static"] == 1       # a smaller tree pays at batch 2
+    assert choices["8"]["best_static"] is None    # nothing beats AR at batch 8: no speculation
+    assert choices["8"]["best_chain"] is None and choices["2"]["best_chain"]["depth"] == 1
+
+
+def test_a_bank_keeps_its_batch_record_and_refuses_a_damaged_one(tmp_path) -> None:  # noqa: ANN001
+    bank = make_bank()
+    n = len(bank.trees)
+    bank.batch_schedule = {str(b): {"best_static": n - 1 if b == 1 else 0, "best_chain": None, "ar_step_ms": 20.0 * b,
+                                    "step_ms": [21.0 * b] * n, "tok_per_s": [50.0 / b] * n} for b in (1, 2, 4)}
+    folder = bank.save(tmp_path / "bank")
+    loaded = TopologyBank.load(folder)
+    assert loaded.batch_schedule == json.loads(json.dumps(bank.batch_schedule))
+    assert [c.batch_size for c in schedule_from_bank(loaded).choices] == [1, 2, 4]
+    assert "batch   4: tree [0]" in loaded.summary()
+    doc = json.loads((folder / "bank.json").read_text())
+    doc["batch_sizes"]["2"]["step_ms"] = [1.0]  # one entry for several trees
+    (folder / "bank.json").write_text(json.dumps(doc))
+    reseal(folder)
+    with pytest.raises(BankError, match="batch_sizes"):
+        TopologyBank.load(folder)
