@@ -134,3 +134,74 @@ def test_bad_batches_say_what_is_wrong() -> None:
         dec.generate_batch([[1], [2]], [4, 4, 4])
     # a failed batch leaves the decoder usable for single sequences
     assert dec.generate([1, 2, 3], 6).tokens == ar_greedy(model, [1, 2, 3], 6)
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+def test_batched_ar_is_each_prompts_own_ar(arithmetic: str) -> None:
+    from runtime.generate import ar_generate, ar_generate_batch
+
+    model = _model(arithmetic)
+    prompts = _prompts(5, seed=6)
+    limits = [20, 1, 9, 20, 0]
+    assert ar_generate_batch(model, prompts, limits) == [ar_generate(model, p, n) for p, n in zip(prompts, limits)]
+    sampler = Sampler(SamplingConfig(temperature=0.9, seed=3))
+    assert ar_generate_batch(model, prompts, 12, sampler=sampler) == [ar_generate(model, p, 12, sampler=sampler)
+                                                                      for p in prompts]
+
+
+# --- the engine and the command line -----------------------------------------------------------
+
+
+def test_engine_batch_keeps_going_past_a_bad_prompt(bundle) -> None:  # noqa: ANN001 - the tiny bundle fixture
+    from runtime.api import EntMTP
+
+    engine = EntMTP.load(bundle.bank_dir)
+    too_long = "word " * (engine.model.max_seq_len + 10)
+    prompts = ["def add(a, b):", "", too_long, "Write a haiku.", [3, 4, 5]]
+    outs = engine.generate_batch(prompts, max_new_tokens=10, batch_size=2)
+    assert [o.error is not None for o in outs] == [False, True, True, False, False]
+    assert "empty prompt" in outs[1].error and "exceeds the KV cache capacity" in outs[2].error
+    ars = engine.generate_batch(prompts, max_new_tokens=10, batch_size=3, ar=True)
+    for k in (0, 3, 4):
+        assert outs[k].tokens == ars[k].tokens == engine.generate_ar(prompts[k], 10).tokens
+        assert outs[k].stats["batch_tok_per_s"] > 0
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        engine.generate_batch(prompts, batch_size=0)
+    with pytest.raises(ValueError, match="no prompts"):
+        engine.generate_batch([])
+
+
+def test_prompts_files_lines_or_json_lines(tmp_path) -> None:  # noqa: ANN001
+    from runtime.cli import read_prompts
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("first prompt\n\nsecond {not json}\n")
+    assert read_prompts(plain) == ["first prompt", "second {not json}"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('"a string"\n{"prompt": "an object"}\n{"text": "a record"}\n')
+    assert read_prompts(jsonl) == ["a string", "an object", "a record"]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": 3}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        read_prompts(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.txt").write_text("\n \n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        read_prompts(tmp_path / "empty.txt")
+
+
+def test_cli_batch_reports_each_sequence_and_both_speeds(bundle, tmp_path, capsys) -> None:  # noqa: ANN001
+    import json
+
+    from runtime.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nWrite a haiku.\nCount to five.\n")
+    assert main(["generate", "--bank", str(bundle.bank_dir), "--prompts-file", str(prompts), "--batch", "2",
+                 "--max-new-tokens", "8", "--compare-ar"]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["prompt"] for line in lines] == [0, 1, 2] and all(line["identical_to_ar"] for line in lines)
+    assert "3/3 outputs identical" in err and "batched AR" in err and "timed at batch size 1 only" in err
+    assert main(["generate", "--bank", str(bundle.bank_dir), "--prompts-file", str(prompts), "--batch", "0"]) == 2
+    assert "--batch must be at least 1" in capsys.readouterr().err
+    assert main(["generate", "--bank", str(bundle.bank_dir), "--prompt", "x", "--batch", "2"]) == 2
+    assert "--batch needs --prompts-file" in capsys.readouterr().err
