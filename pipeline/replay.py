@@ -29,7 +29,7 @@ decoder sees before verifying) and `head_top1` otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -581,3 +581,46 @@ def oracle_replay(
     tokens = data.tokens
     tree_steps = np.bincount(np.concatenate(all_choices), minlength=data.n_trees)
     return OracleReplay(steps, tokens, tokens / steps, total, tokens / total, tree_steps, all_choices)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def replay_batch(data: BankReplay, batch: int, choose: Callable[[list[tuple[int, int]], list[Any]], list[int]],
+                 step_ms: Callable[[list[int]], float], lane_state: Callable[[], Any] | None = None,
+                 update: Callable[[Any, int], None] | None = None) -> dict[str, float]:
+    """Replay a batch of `batch` sequences over the rollouts: each lane decodes one prompt after
+    another (continuous batching: a lane that finishes takes the next prompt; at the end the batch
+    shrinks). At each step `choose(lanes, states)` gets every live lane's (prompt, position) and its
+    state (`lane_state()` per prompt, e.g. a signal; `update(state, accepted)` after each step) and
+    returns a tree per lane; the lanes accept their replayed lengths, and the step costs
+    `step_ms(picks)` milliseconds. Returns tokens, steps, seconds and tokens per second."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    queue = list(range(len(data.accept_rows)))
+    lanes: list[list[Any]] = []  # [prompt, position, state]
+
+    def refill() -> None:
+        while len(lanes) < batch and queue:
+            n = queue.pop(0)
+            if len(data.accept_rows[n][0]) > 1:
+                lanes.append([n, 0, lane_state() if lane_state else None])
+
+    refill()
+    tokens = steps = 0
+    ms = 0.0
+    while lanes:
+        picks = choose([(lane[0], lane[1]) for lane in lanes], [lane[2] for lane in lanes])
+        ms += step_ms(picks)
+        steps += 1
+        for lane, k in zip(lanes, picks):
+            rows = data.accept_rows[lane[0]]
+            a = rows[k][lane[1]]
+            if update:
+                update(lane[2], a)
+            moved = min(a + 1, len(rows[0]) - 1 - lane[1])
+            tokens += moved
+            lane[1] += a + 1
+        lanes[:] = [lane for lane in lanes if lane[1] < len(data.accept_rows[lane[0]][0]) - 1]
+        refill()
+    return {"tokens": tokens, "steps": steps, "seconds": ms / 1000, "tokens_per_second": tokens / (ms / 1000)}

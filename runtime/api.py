@@ -25,7 +25,7 @@ from runtime.device import clock, resolve_device, torch_dtype
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import DraftHeads, load_heads
 from runtime.model import Transformer, load_model, load_tokenizer
-from runtime.policy import Scheduler, policy_from_dict
+from runtime.policy import BatchScheduler, Scheduler, policy_from_dict
 from runtime.sampling import Sampler, SamplingConfig
 
 
@@ -280,7 +280,8 @@ class EntMTP:
     ) -> list[Generation]:
         """Decode several prompts together, `batch_size` at a time (default: all at once): each step
         verifies every live sequence's tree in one forward, each sequence with its own cache,
-        positions and tree (`policy` as in `generate`, one scheduler per sequence), and a sequence
+        positions and tree (`policy` as in `generate`, one scheduler per sequence; or "batch":
+        every sequence's tree chosen together, `batch_scheduler`), and a sequence
         leaves the batch when it finishes. Lossless per sequence: under the exact lossless mode
         every output equals that prompt decoded alone by AR, whatever shares the batch.
 
@@ -316,6 +317,10 @@ class EntMTP:
             if ar:
                 results = [GenerationResult(tokens=t) for t in ar_generate_batch(self.model, ids, max_new_tokens,
                                                                                  sampler=sampler)]
+            elif policy == "batch":
+                chooses, batch_policy = self.batch_scheduler()
+                results = decoder.generate_batch(ids, max_new_tokens, choose=[chooses() for _ in ids], sampler=sampler,
+                                                 batch_policy=batch_policy)
             else:
                 results = decoder.generate_batch(ids, max_new_tokens, choose=[self.scheduler(policy) for _ in ids],
                                                  sampler=sampler)
@@ -330,6 +335,17 @@ class EntMTP:
                 text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
                 out[k] = Generation(text=text, tokens=res.tokens, stats=stats, result=res)
         return [g for g in out if g is not None]
+
+    def batch_scheduler(self) -> tuple[Callable[[], Scheduler], BatchScheduler]:
+        """`policy="batch"` of `generate_batch`: a factory of per-sequence schedulers (their signal)
+        and the `BatchScheduler` that picks every sequence's tree at once from the bank's
+        expected-throughput table and its step costs per batch size."""
+        pol = self.bank.policies.get("expected_throughput")
+        if pol is None or not self.bank.batch_schedule:
+            raise ValueError("policy='batch' needs a bank with an expected_throughput policy and a batch-size axis; "
+                             "rebuild the bank (make bank), or pick another policy")
+        batch = BatchScheduler(policy_from_dict(pol), {int(b): e["step_ms"] for b, e in self.bank.batch_schedule.items()})
+        return (lambda: Scheduler(policy_from_dict(pol), len(self.bank.trees))), batch
 
     def _check_room(self, ids: list[int], max_new_tokens: int) -> None:
         """The decoder's own capacity check, made before a batch starts (one prompt must not stop the batch)."""

@@ -31,7 +31,7 @@ import torch
 from runtime.device import clock
 from runtime.heads import DraftHeads
 from runtime.model import BatchItem, KVCache, Transformer
-from runtime.policy import SIGNALS, Scheduler
+from runtime.policy import SIGNALS, BatchScheduler, Scheduler
 from runtime.sampling import RowPositions, Sampler
 from runtime.tree import TreeBuffers
 
@@ -264,6 +264,7 @@ class TreeDecoder:
         eos_ids: Sequence[int] | None = None,
         sampler: Sampler | None = None,
         on_step: Callable[[], None] | None = None,
+        batch_policy: BatchScheduler | None = None,
     ) -> list[GenerationResult]:
         """Decode several prompts together: every step verifies the tree rows of every live
         sequence in one forward (`Transformer.forward_batch`), each sequence with its own KV cache,
@@ -274,7 +275,10 @@ class TreeDecoder:
         Lossless per sequence: in the row-invariant arithmetic (`lossless: exact`) each sequence's
         tokens are exactly what `generate` (and so AR) gives that prompt alone, whatever else is in
         the batch. Each result's `decode_seconds` is the batch's time until that sequence finished.
-        `on_step` is called after every batch step (e.g. to time the steps)."""
+        `on_step` is called after every batch step (e.g. to time the steps). With `batch_policy` (a
+        `runtime.policy.BatchScheduler`; each prompt's `choose` is then a Scheduler of its
+        expected-throughput policy, which only supplies the signal), every step chooses all the
+        sequences' trees at once from their signals."""
         if not prompts:
             raise ValueError("no prompts to decode")
         n = len(prompts)
@@ -298,10 +302,17 @@ class TreeDecoder:
             t_dec = time.perf_counter()
             live = [s for s in seqs if not s.done]
             while live:
+                picks: list[int | None] = [None] * len(live)
+                if batch_policy is not None:
+                    for seq in live:
+                        self._enter(seq)
+                        seq.signal = self._observe(seq)
+                        self._leave(seq)
+                    picks = batch_policy.choose([seq.signal for seq in live])
                 drafts = []
-                for seq in live:
+                for seq, pick in zip(live, picks):
                     self._enter(seq)
-                    drafts.append(self._draft(seq))
+                    drafts.append(self._draft(seq, pick))
                     self._leave(seq)
                 outs = model.forward_batch([BatchItem(seq.cache, tokens, start + buf.depths, buf.ancestor_lists)
                                             for seq, (buf, tokens, start) in zip(live, drafts)])
@@ -377,17 +388,23 @@ class TreeDecoder:
             seq.stream([seq.root])
         seq.done = seq.root in seq.eos or len(seq.result.tokens) >= seq.max_new_tokens
 
-    def _draft(self, seq: _Sequence) -> tuple[TreeBuffers, torch.Tensor, int]:
-        """Choose the step's tree and draft it: (its buffers, the drafted tokens [N], the cache slot
-        of its root)."""
+    def _observe(self, seq: _Sequence) -> float:
+        """The sequence's signal before this step (its scheduler's)."""
+        chain = greedy_chain_top1(self.heads, seq.h, seq.root) if seq.reads_heads else ()
+        return seq.choose.signal.observe(seq.p0, chain, seq.entropy)
+
+    def _draft(self, seq: _Sequence, tree: int | None = None) -> tuple[TreeBuffers, torch.Tensor, int]:
+        """Choose the step's tree (or take `tree`, chosen for the whole batch from the signal
+        `_observe` gave) and draft it: (its buffers, the drafted tokens [N], the cache slot of its root)."""
         # No synchronisation for this clock read: the previous step ended with one (its token
         # transfer); device work queued after it (the heads' observation) counts in this step.
         seq.step_t0 = time.perf_counter()
-        if seq.fixed:
+        if tree is not None:
+            seq.tree = tree
+        elif seq.fixed:
             seq.tree, seq.signal = seq.choose, math.nan
         else:
-            chain = greedy_chain_top1(self.heads, seq.h, seq.root) if seq.reads_heads else ()
-            seq.signal = seq.choose.signal.observe(seq.p0, chain, seq.entropy)
+            seq.signal = self._observe(seq)
             seq.tree = seq.choose.policy.choose(seq.signal)
         buf = self.trees[seq.tree]
         seq.start = self.model.cache_len

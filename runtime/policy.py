@@ -566,6 +566,55 @@ class Scheduler:
         self.policy.reset()
 
 
+class BatchScheduler:
+    """Every live sequence's tree at once, for a batch: the expected tokens of each sequence under
+    each tree (an `ExpectedThroughputPolicy`'s table for its signal's bucket) against the batch's
+    step cost (each tree's modeled step at the batch size, `step_ms[B][k]`; a sequence on tree k
+    adds step_ms[B][k] / B of it). All start on the smallest tree; then, while it raises the batch's
+    expected tokens per second, one sequence moves to the larger tree with the best gain. A
+    confident sequence gets a deep tree and an unsure one stays small, within one verify budget,
+    as the serving engines' confidence schedulers split theirs."""
+
+    def __init__(self, policy: ExpectedThroughputPolicy, step_ms: dict[int, Sequence[float]]) -> None:
+        if not isinstance(policy, ExpectedThroughputPolicy):
+            raise ValueError(f"a batch scheduler reads an expected_throughput policy's table, got {type(policy).__name__}")
+        n = len(policy.step_costs)
+        if not step_ms or any(len(v) != n or not all(c > 0 for c in v) for v in step_ms.values()):
+            raise ValueError(f"step_ms needs, per batch size, one positive step cost per tree ({n})")
+        self.policy = policy
+        self.step_ms = {int(b): [float(c) for c in v] for b, v in sorted(step_ms.items())}
+
+    def costs(self, batch: int) -> list[float]:
+        """Per-tree step costs at the smallest measured batch size >= `batch` (the largest past them)."""
+        sizes = list(self.step_ms)
+        return self.step_ms[next((b for b in sizes if b >= batch), sizes[-1])]
+
+    def choose(self, signals: Sequence[float], gains: Sequence[Sequence[float]] | None = None) -> list[int]:
+        """One tree index per sequence, from their signals (or, for the oracle, each sequence's true
+        tokens per tree in `gains`)."""
+        table, edges = self.policy.tokens_per_step, self.policy.bucket_edges
+        expect = gains if gains is not None else [table[bisect_right(edges, s)] for s in signals]
+        batch = len(expect)
+        cost = [c / batch for c in self.costs(batch)]
+        picks = [0] * batch
+        tokens = sum(e[0] for e in expect)
+        seconds = cost[0] * batch
+        while True:
+            best, move = tokens / seconds, None
+            for i, e in enumerate(expect):
+                k = picks[i]
+                for j in range(k + 1, len(cost)):
+                    rate = (tokens + e[j] - e[k]) / (seconds + cost[j] - cost[k])
+                    if rate > best:
+                        best, move = rate, (i, j)
+            if move is None:
+                return picks
+            i, j = move
+            tokens += expect[i][j] - expect[i][picks[i]]
+            seconds += cost[j] - cost[picks[i]]
+            picks[i] = j
+
+
 def policy_overhead_us(n_steps: int = 20000, n_trees: int = 4, depth: int = 4, seed: int = 0) -> dict[str, float]:
     """Micro-benchmark: microseconds per step of signal + choose + update, per policy kind.
 

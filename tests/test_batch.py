@@ -205,3 +205,22 @@ def test_cli_batch_reports_each_sequence_and_both_speeds(bundle, tmp_path, capsy
     assert "--batch must be at least 1" in capsys.readouterr().err
     assert main(["generate", "--bank", str(bundle.bank_dir), "--prompt", "x", "--batch", "2"]) == 2
     assert "--batch needs --prompts-file" in capsys.readouterr().err
+
+
+def test_the_batch_scheduler_decodes_losslessly() -> None:
+    from runtime.policy import BatchScheduler, ExpectedThroughputPolicy
+
+    model = _model("padded", seed=3)
+    heads = tiny_heads(model, "hydra", seed=3)
+    trees = [Tree([]), Tree([(0,)]), Tree.named("chain4")]
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees])
+    table = [[1.0, 1.5, 1.55], [1.0, 1.6, 2.8]]  # an unsure sequence gains from the small tree, a sure one from both
+
+    def policy() -> ExpectedThroughputPolicy:
+        return ExpectedThroughputPolicy([0.055], table, [0.01, 0.011, 0.013], signal="p0")  # the tiny model: p0 ~ 0.05
+
+    batch = BatchScheduler(policy(), {2: [10.0, 11.0, 13.0], 4: [12.0, 13.0, 15.0]})
+    prompts = _prompts(4, seed=8)
+    results = dec.generate_batch(prompts, 24, choose=[Scheduler(policy()) for _ in prompts], batch_policy=batch)
+    assert [r.tokens for r in results] == [ar_greedy(model, p, 24) for p in prompts]
+    assert len({s.tree for r in results for s in r.steps}) > 1, "the scheduler never mixed trees: nothing tested"

@@ -105,3 +105,58 @@ def test_a_bank_keeps_its_batch_record_and_refuses_a_damaged_one(tmp_path) -> No
     reseal(folder)
     with pytest.raises(BankError, match="batch_sizes"):
         TopologyBank.load(folder)
+
+
+# --- the batch scheduler and its replay -------------------------------------------------------
+
+
+def _expected(table: list[list[float]], edges: list[float]):  # noqa: ANN202 - an ExpectedThroughputPolicy
+    from runtime.policy import ExpectedThroughputPolicy
+
+    return ExpectedThroughputPolicy(edges, table, [0.02] * len(table[0]), signal="p0")
+
+
+def test_the_batch_scheduler_spends_the_verify_budget_on_confident_sequences() -> None:
+    from runtime.policy import BatchScheduler
+
+    # tokens/step of a root, a 3-node and a 9-node tree for an unsure (p0 < 0.5) and a sure sequence
+    policy = _expected([[1.0, 1.1, 1.15], [1.0, 1.8, 2.6]], [0.5])
+    cheap = BatchScheduler(policy, {2: [30.0, 32.0, 36.0], 8: [40.0, 90.0, 200.0]})
+    assert cheap.choose([0.9, 0.1]) == [2, 0]          # the sure sequence gets the deep tree, the unsure none
+    assert cheap.choose([0.9] * 8) == [0] * 8          # at batch 8 extra rows cost more than they bring
+    assert cheap.costs(3) == cheap.step_ms[8] and cheap.costs(20) == cheap.step_ms[8]
+    with pytest.raises(ValueError, match="one positive step cost per tree"):
+        BatchScheduler(policy, {2: [30.0, 32.0]})
+
+
+def test_batch_replay_of_one_lane_is_the_single_sequence_replay() -> None:
+    from pipeline.replay import BankReplay, replay_batch, replay_policy
+    from runtime.policy import StaticPolicy
+    from tests.helpers import synthetic_rollouts
+
+    rolls = synthetic_rollouts(n_prompts=5, length=60)
+    trees = [Tree([]), Tree.chain(2), Tree([(0,), (1,), (0, 0), (0, 0, 0)])]
+    data = BankReplay.build(rolls, [t.paths for t in trees])
+    ms = [20.0, 24.0, 30.0]
+    for k in range(3):
+        one = replay_batch(data, 1, lambda lanes, _s, k=k: [k] * len(lanes), lambda picks: sum(ms[j] for j in picks))
+        ref = replay_policy(data, None, StaticPolicy(k), [m / 1000 for m in ms])
+        assert one["tokens"] == ref.tokens and one["steps"] == ref.steps
+        assert one["tokens_per_second"] == pytest.approx(ref.tokens_per_second)
+    four = replay_batch(data, 4, lambda lanes, _s: [2] * len(lanes), lambda picks: 30.0)
+    assert four["tokens"] == data.tokens and four["steps"] < ref.steps  # the same tokens in fewer, shared steps
+
+
+def test_batch_replays_put_the_oracle_on_top() -> None:
+    from pipeline.bank.selection import batch_replays
+    from tests.helpers import synthetic_rollouts
+
+    rolls = synthetic_rollouts(n_prompts=6, length=80)
+    trees = [Tree([]), Tree.chain(2), Tree([(0,), (1,), (0, 0), (0, 0, 0)])]
+    policy = {"kind": "expected_throughput", "signal": "p0", "bucket_edges": [0.5],
+              "tokens_per_step": [[1.0, 1.2, 1.3], [1.0, 1.9, 2.5]], "step_costs": [0.02, 0.022, 0.026]}
+    batch = {"1": {"best_static": 2, "step_ms": [20.0, 22.0, 26.0]}, "4": {"best_static": 1, "step_ms": [24.0, 40.0, 70.0]}}
+    out = batch_replays(rolls, trees, {"expected_throughput": policy}, 2, batch)
+    for b in ("1", "4"):
+        for method in ("one tree for all", "static per batch size", "batch scheduler"):
+            assert 0 < out[b][f"{method} share of oracle"] <= 1.0 + 1e-9, (b, method, out[b])

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.rollout import load_rollout  # noqa: E402
-from pipeline.bank.selection import bank_members, batch_choices, throughput_hull  # noqa: E402
+from pipeline.bank.selection import bank_members, batch_choices, batch_replays, throughput_hull  # noqa: E402
 from runtime.bank import TopologyBank  # noqa: E402
 from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
@@ -63,6 +63,7 @@ def build_bank(
     if timing.get("batch"):  # the trees chosen at each batch size (a time stage of before the batch axis has none)
         batch = batch_choices(timing["batch"], [kept[k] for k in chosen], [t.num_nodes for t in trees], best,
                               tie_tolerance)
+        fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
     bank = TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
                         oracle=fitted["oracle"], provenance={**provenance, "fit": {n: f.get("replay") for n, f in fitted["policies"].items()},
                                                               "ar_tok_per_s": timing["ar_tok_per_s"]},

@@ -76,3 +76,57 @@ def batch_choices(batch: dict[str, Any], members: list[int], nodes: list[int], b
                   "ar_step_ms": entry["ar_step_ms"], "ar_tok_per_s": entry["ar_tok_per_s"],
                   "step_ms": [r["step_ms"] for r in rows], "tok_per_s": tok}
     return out
+
+
+def batch_replays(rollouts: list[dict], trees: list[Tree], policies: dict[str, dict], best_static: int,
+                  batch: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Replayed batch tokens/s at each batch size (continuous batching over the calibration
+    rollouts, step costs from the bank's batch record) for: one tree for all (EntMTP* of batch 1),
+    the bank's tree for that batch size, the batch scheduler (`runtime.policy.BatchScheduler` over
+    the expected-throughput policy's table) and the batch oracle (the same allocation knowing every
+    sequence's accepted length), with each one's share of the oracle."""
+    from pipeline.replay import BankReplay, replay_batch
+    from runtime.policy import BatchScheduler, ExpectedThroughputPolicy, make_signal, policy_from_dict
+
+    data = BankReplay.build(rollouts, [t.paths for t in trees])
+    expected = policies.get("expected_throughput")
+    out: dict[str, dict[str, float]] = {}
+    for b, entry in sorted(batch.items(), key=lambda kv: int(kv[0])):
+        size, ms = int(b), entry["step_ms"]
+
+        def cost(picks: list[int]) -> float:
+            return sum(ms[k] for k in picks) / len(picks)
+
+        def fixed(k: int):  # noqa: ANN202 - a choose function
+            return lambda lanes, _states: [k] * len(lanes)
+
+        static_b = entry["best_static"] if entry["best_static"] is not None else 0
+        rates = {"one tree for all": replay_batch(data, size, fixed(best_static), cost)["tokens_per_second"],
+                 "static per batch size": replay_batch(data, size, fixed(static_b), cost)["tokens_per_second"]}
+        scheduler = BatchScheduler(policy_from_dict(expected) if expected else ExpectedThroughputPolicy(
+            [], [[1.0] * len(trees)], [1.0] * len(trees)), {size: ms})
+
+        def oracle(lanes: list[tuple[int, int]], _states: list) -> list[int]:
+            gains = [[data.accept_rows[n][k][i] + 1 for k in range(len(trees))] for n, i in lanes]
+            return scheduler.choose([], gains=gains)
+
+        rates["batch oracle"] = replay_batch(data, size, oracle, cost)["tokens_per_second"]
+        if expected:
+            pol = scheduler.policy
+
+            def by_signal(lanes: list[tuple[int, int]], states: list) -> list[int]:
+                signals = []
+                for (n, i), sig in zip(lanes, states):
+                    p0 = data.p0[n][i] if data.p0[n] else 0.0
+                    heads = data.head_top1[n][i] if data.head_top1[n] else ()
+                    ent = data.entropy[n][i] if data.entropy[n] else 0.0
+                    signals.append(sig.observe(p0, heads, ent))
+                return scheduler.choose(signals)
+
+            rates["batch scheduler"] = replay_batch(data, size, by_signal, cost,
+                                                    lane_state=lambda: make_signal(pol.signal, pol.signal_params),
+                                                    update=lambda sig, a: sig.update(a))["tokens_per_second"]
+        best = rates["batch oracle"]
+        out[b] = {**{k: round(v, 3) for k, v in rates.items()},
+                  **{f"{k} share of oracle": round(v / best, 4) for k, v in rates.items() if k != "batch oracle"}}
+    return out
