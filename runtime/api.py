@@ -299,17 +299,17 @@ class EntMTP:
             raise ValueError("batched decoding needs lossless='exact' (row-invariant arithmetic); load the engine "
                              "with lossless='exact' or decode the prompts one by one")
         sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        decoder = self.decoder_for(None)
         out: list[Generation | None] = [None] * len(prompts)
         ready: list[tuple[int, list[int]]] = []
         for k, prompt in enumerate(prompts):
             try:
                 ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate)
-                self._check_room(ids, max_new_tokens)
+                decoder.check_fits(len(ids), max_new_tokens)
                 ready.append((k, ids))
             except ValueError as err:
                 out[k] = Generation(text="", tokens=[], stats={}, error=str(err))
         size = batch_size or max(len(ready), 1)
-        decoder = self.decoder_for(None)
         for first in range(0, len(ready), size):
             group = ready[first:first + size]
             ids = [g[1] for g in group]
@@ -346,15 +346,6 @@ class EntMTP:
                              "rebuild the bank (make bank), or pick another policy")
         batch = BatchScheduler(policy_from_dict(pol), {int(b): e["step_ms"] for b, e in self.bank.batch_schedule.items()})
         return (lambda: Scheduler(policy_from_dict(pol), len(self.bank.trees))), batch
-
-    def _check_room(self, ids: list[int], max_new_tokens: int) -> None:
-        """The decoder's own capacity check, made before a batch starts (one prompt must not stop the batch)."""
-        tree = max(int(b.depths.numel()) for b in self.bank.buffers)
-        need = len(ids) + max_new_tokens + tree
-        if need > self.model.max_seq_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) + largest tree ({tree} "
-                             f"nodes) = {need} exceeds the KV cache capacity {self.model.max_seq_len}; shorten it, "
-                             "pass truncate='left', or load the model with a larger max_seq_len")
 
     def generate_ar(self, prompt: str | Sequence[int], max_new_tokens: int = 128, chat: bool = True,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Generation:

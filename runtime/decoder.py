@@ -344,14 +344,7 @@ class TreeDecoder:
             raise ValueError("empty prompt: give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        capacity = self.model.max_seq_len
-        need = len(input_ids) + max_new_tokens + self._max_nodes
-        if need > capacity:
-            raise ValueError(
-                f"prompt ({len(input_ids)} tokens) + max_new_tokens ({max_new_tokens}) + largest tree "
-                f"({self._max_nodes} nodes) = {need} exceeds the KV cache capacity {capacity}; "
-                "shorten the prompt, lower max_new_tokens or load the model with a larger max_seq_len"
-            )
+        self.check_fits(len(input_ids), max_new_tokens)
         eos = set(eos_ids if eos_ids is not None else self.model.args.eos_token_ids)
         fixed = isinstance(choose, int)
         if fixed and not 0 <= choose < len(self.trees):
@@ -362,6 +355,18 @@ class TreeDecoder:
             choose.policy.check_bank(len(self.trees))
             choose.reset()
         return _Sequence(list(input_ids), max_new_tokens, choose, eos, stream, sampler)
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise ValueError, with the numbers, when a prompt of `prompt_tokens` plus `max_new_tokens`
+        plus the largest tree does not fit the KV cache."""
+        capacity = self.model.max_seq_len
+        need = prompt_tokens + max_new_tokens + self._max_nodes
+        if need > capacity:
+            raise ValueError(
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) + largest tree "
+                f"({self._max_nodes} nodes) = {need} exceeds the KV cache capacity {capacity}; "
+                "shorten the prompt, lower max_new_tokens or load the model with a larger max_seq_len"
+            )
 
     def _enter(self, seq: _Sequence) -> None:
         """Point the model and heads at this sequence's caches (a batch keeps one per sequence)."""
