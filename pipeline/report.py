@@ -347,6 +347,13 @@ def model_sections(model: str, artifacts: Path, results: Path) -> list[str]:
                 out += [f"Evaluation (`{_shown(table, artifacts)}`):", "", *text]
                 if (png := table.with_name("methods.png")).is_file():
                     out += ["", f"![{task} methods]({_link(png, results)})"]
+                if (batch := table.with_name("batch_table.md")).is_file():
+                    lines = batch.read_text(encoding="utf-8").strip().splitlines()
+                    if lines and lines[0].startswith("#"):
+                        lines[0] = f"**{lines[0].lstrip('#').strip()}**"
+                    out += ["", f"Batched evaluation (`{_shown(batch, artifacts)}`):", "", *lines]
+                    if (png := batch.with_name("batch_throughput.png")).is_file():
+                        out += ["", f"![{task} throughput by batch size]({_link(png, results)})"]
             else:
                 out.append("No evaluation table (`make eval TASK=...` writes one).")
             out.append("")

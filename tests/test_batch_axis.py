@@ -160,3 +160,45 @@ def test_batch_replays_put_the_oracle_on_top() -> None:
     for b in ("1", "4"):
         for method in ("one tree for all", "static per batch size", "batch scheduler"):
             assert 0 < out[b][f"{method} share of oracle"] <= 1.0 + 1e-9, (b, method, out[b])
+
+
+
+@torch.inference_mode()
+def test_the_batch_axis_is_calibrated_in_situ_and_checked_by_a_second_pass() -> None:
+    """measure_batch_axis on a real tiny decoder: ratios from batched forwards, one in-situ factor
+    per batch size from a first pass of timed batched decodes, and every timed tree checked at every
+    batch size > 1 by a second pass; a clock that ticks once per call makes both passes alike."""
+    from pipeline.timing.batch import measure_batch_axis
+    from runtime.decoder import TreeDecoder
+    from runtime.tree import TreeBuffers
+    from tests.helpers import DECODER_TREES, tiny_heads
+
+    tiny = tiny_model()
+    tiny.set_row_invariance(4)
+    dec = TreeDecoder(tiny, tiny_heads(tiny, "hydra"), [TreeBuffers.compile(t) for t in DECODER_TREES])
+    cost = step_model()
+    ticks = iter(range(10**7))
+    runs = []
+    out = measure_batch_axis(dec, cost, list(DECODER_TREES), [1.0 + 0.1 * k for k in range(len(DECODER_TREES))], [0, 1],
+                             [1, 2, 4], 20, list(range(3, 15)), repeats=2, new_tokens=16, check_tokens=10,
+                             prefill_s=0.01, sampler=None, now=lambda: float(next(ticks)), progress=lambda: runs.append(1))
+    assert len(runs) == 2 * 2 * 2  # two passes x two timed trees x batch sizes 2 and 4
+    assert cost.batch_sizes == [1, 2, 4] and cost.batch_in_situ[0] == 1.0 and len(cost.batch_in_situ) == 3
+    assert StepCostModel.from_dict(cost.to_dict()).batch_in_situ == cost.batch_in_situ
+    for b in ("2", "4"):
+        rows = out["per_batch"][b]["trees"]
+        assert all("model_error_pct" in rows[k] for k in (0, 1)) and all("model_error_pct" not in r for r in rows[2:])
+    # a clock that ticks once per call times every step as 1 s: one factor per batch size sits between
+    # the two trees' timed/modeled ratios (their median), so the model errs by opposite signs on them
+    for b in ("2", "4"):
+        errors = [out["per_batch"][b]["trees"][k]["model_error_pct"] for k in (0, 1)]
+        assert errors[0] * errors[1] < 0 and abs(errors[0]) > 1e-6
+    # with one tree timed, the calibrated model meets the second pass exactly
+    ticks = iter(range(10**7))
+    one = measure_batch_axis(dec, cost, list(DECODER_TREES), [1.0] * len(DECODER_TREES), [1], [1, 2], 20,
+                             list(range(3, 15)), repeats=1, new_tokens=16, check_tokens=10, prefill_s=0.01,
+                             sampler=None, now=lambda: float(next(ticks)))
+    assert one["max_abs_error_pct"] < 1e-6 and one["in_situ"]["1"] == 1.0
+    cost.batch_in_situ = [1.0, -1.0, 1.0]
+    with pytest.raises(ValueError, match="batch_in_situ"):
+        cost.validate()

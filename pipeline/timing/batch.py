@@ -13,7 +13,11 @@ same N timed in the same pass (a shared machine's speed phases cancel), times th
 verify(N). A tree that pays for one sequence stops paying once B x N rows leave the
 memory-bound regime: the ratio grows with B faster for big N than for small.
 
-Timed batched decodes check the model per tree and batch size (`check_batch_steps`).
+Inside real batched decodes a step runs at its own speed (its forward is partly compute-bound, and
+a shared machine's slow phases slow that less than a one-row forward), so a first pass of timed
+batched decodes of every timed tree sets one in-situ factor per batch size (`batch_in_situ`: the
+median of timed over modeled steps) and a second pass, minutes later, checks the calibrated model
+per tree and batch size (`check_batch_steps`; timing.json "batch").
 """
 
 from __future__ import annotations
@@ -93,9 +97,11 @@ def predict_batch(model: StepCostModel, tree: Tree, context: float, batch: int) 
         return single
     if batch not in model.batch_sizes:
         raise ValueError(f"batch size {batch} was not measured; the step-cost model has {model.batch_sizes}")
-    ratio = _interp(model.verify_rows, model.batch_verify_ratio[model.batch_sizes.index(batch)], tree.num_nodes)
-    parts = {"draft_ms": batch * single["draft_ms"], "verify_ms": ratio * single["verify_ms"],
-             "fixed_ms": batch * single["fixed_ms"]}
+    at = model.batch_sizes.index(batch)
+    ratio = _interp(model.verify_rows, model.batch_verify_ratio[at], tree.num_nodes)
+    scale = model.batch_in_situ[at] if model.batch_in_situ else 1.0
+    parts = {"draft_ms": scale * batch * single["draft_ms"], "verify_ms": scale * ratio * single["verify_ms"],
+             "fixed_ms": scale * batch * single["fixed_ms"]}
     return {**parts, "step_ms": sum(parts.values())}
 
 
@@ -112,7 +118,10 @@ def check_batch_steps(decoder: TreeDecoder, prompt: list[int], trees: Sequence[i
                       progress: Callable[[], None] | None = None, warmup_steps: int = 2) -> dict[tuple[int, int], float]:
     """Median seconds of a batched step, per (tree index, batch size): `generate_batch` of B copies of
     `prompt` (identical sequences accept alike, so the batch stays whole to the end), its first
-    `warmup_steps` steps dropped. A median, so that one stall of a shared machine does not count."""
+    `warmup_steps` steps dropped. A median, so that one stall of a shared machine does not count.
+    Raw wall time: a batched step is partly compute-bound, and a shared machine's slow phases (memory
+    bandwidth taken by its neighbours) slow it less than the one-row forward of a phase probe, so
+    scaling it by one would over-correct."""
     out: dict[tuple[int, int], float] = {}
     decoder.generate_batch([prompt], 4, choose=trees[0], sampler=sampler)  # warm-up
     for b in batch_sizes:
@@ -162,8 +171,15 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     ratios = measure_batch_verify(decoder.model, sizes, model.verify_rows, context, repeats, now)
     model.batch_sizes = sizes
     model.batch_verify_ratio = batch_table(ratios, sizes, model.verify_rows)
-    measured = check_batch_steps(decoder, prompt, list(timed), [b for b in sizes if b > 1], check_tokens, sampler,
-                                 now, progress)
+    model.batch_in_situ = []
+    larger = [b for b in sizes if b > 1]
+    check_ctx = len(prompt) + check_tokens / 2
+    # calibration pass: batched decodes of every timed tree set each batch size's in-situ factor
+    # (the median over trees of timed over modeled step); a second pass checks the calibrated model
+    calib = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress)
+    model.batch_in_situ = [1.0] + [statistics.median(1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
+                                                     for k in timed) for b in larger]
+    measured = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress)
     # a batched decode runs at the context its prompt gives: the check compares at that context
     check_ctx = len(prompt) + check_tokens / 2
     out = batch_entries(model, trees, tokens_per_step, {}, context, prefill_s, new_tokens)
@@ -180,4 +196,5 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
                                                      new_tokens)
     errors = [abs(r["model_error_pct"]) for e in out["per_batch"].values() for r in e["trees"] if "model_error_pct" in r]
     out["max_abs_error_pct"] = max(errors) if errors else None
+    out["in_situ"] = dict(zip(map(str, sizes), model.batch_in_situ))
     return out

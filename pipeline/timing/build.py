@@ -34,11 +34,14 @@ def build_timing(out: Path, dec: TreeDecoder, cands: list[dict], per_tree_tps: l
                                  prune_margin=float(tc["prune_margin"]) if tc["prune"] else None, sampler=sampler,
                                  clock_kind=str(tc["clock"]), dtype=dtype, machine=machine_info(), bar=bar)
     bar.close()
-    batch = measure_batch_axis(dec, model, [c["tree"] for c in cands], per_tree_tps,
-                               [k for k in range(len(cands)) if k not in t["pruned"]], list(tc["batch_sizes"]), ref_ctx,
-                               rows[0]["input_ids"], repeats=int(tc["cost_repeats"]), new_tokens=n_new,
+    timed = [k for k in range(len(cands)) if k not in t["pruned"]]
+    larger = [b for b in set(tc["batch_sizes"]) if int(b) > 1]
+    bar = tqdm(total=2 * len(timed) * len(larger), desc="batch axis: timed batched decodes", unit="run")
+    batch = measure_batch_axis(dec, model, [c["tree"] for c in cands], per_tree_tps, timed, list(tc["batch_sizes"]),
+                               ref_ctx, rows[0]["input_ids"], repeats=int(tc["cost_repeats"]), new_tokens=n_new,
                                check_tokens=int(tc["new_tokens"]), prefill_s=t["prefill_s"], sampler=sampler,
-                               now=lambda: clock(dec.model.device), chains=chains)
+                               now=lambda: clock(dec.model.device), chains=chains, progress=bar.update)
+    bar.close()
     model.save(out / "step_cost.json")
     modeled = [model.predict(c["tree"], ref_ctx) for c in cands]
     trees = tree_entries(cands, per_tree_tps, modeled, t, model, check_ctx,
