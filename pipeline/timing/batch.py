@@ -15,8 +15,8 @@ memory-bound regime: the ratio grows with B faster for big N than for small.
 
 Inside real batched decodes a step runs at its own speed (its forward is partly compute-bound, and
 a shared machine's slow phases slow that less than a one-row forward), so a first pass of timed
-batched decodes of every timed tree sets one in-situ factor per batch size (`batch_in_situ`: the
-median of timed over modeled steps) and a second pass, minutes later, checks the calibrated model
+batched decodes of every timed tree sets in-situ factors per batch size and tree size
+(`batch_in_situ`: timed over modeled step, by node count, `in_situ_row`) and a second pass, minutes later, checks the calibrated model
 per tree and batch size (`check_batch_steps`; timing.json "batch").
 """
 
@@ -81,6 +81,18 @@ def measure_batch_verify(model: Transformer, batch_sizes: Sequence[int], rows: S
             for b in batch_sizes for n in rows}
 
 
+def in_situ_row(rows: Sequence[int], factors: dict[int, float], nodes: Sequence[int]) -> list[float]:
+    """One batch size's in-situ factors on the `rows` grid: `factors` (tree index -> timed over
+    modeled step) averaged per node count (`nodes[k]`: tree k's), interpolated between the timed
+    node counts and held constant past them (a factor is a correction, not a trend to extend)."""
+    by_n: dict[int, list[float]] = {}
+    for k, f in factors.items():
+        by_n.setdefault(nodes[k], []).append(f)
+    xs = sorted(by_n)
+    ys = [statistics.fmean(by_n[n]) for n in xs]
+    return [ys[0] if n <= xs[0] else ys[-1] if n >= xs[-1] else _interp(xs, ys, n) for n in rows]
+
+
 def batch_table(ratios: dict[tuple[int, int], float], batch_sizes: Sequence[int], rows: Sequence[int]) -> list[list[float]]:
     """[B index][N index] ratios, made non-decreasing in N and in B (more rows never cost less)."""
     table = [[ratios[(b, n)] for n in rows] for b in batch_sizes]
@@ -99,7 +111,7 @@ def predict_batch(model: StepCostModel, tree: Tree, context: float, batch: int) 
         raise ValueError(f"batch size {batch} was not measured; the step-cost model has {model.batch_sizes}")
     at = model.batch_sizes.index(batch)
     ratio = _interp(model.verify_rows, model.batch_verify_ratio[at], tree.num_nodes)
-    scale = model.batch_in_situ[at] if model.batch_in_situ else 1.0
+    scale = _interp(model.verify_rows, model.batch_in_situ[at], tree.num_nodes) if model.batch_in_situ else 1.0
     parts = {"draft_ms": scale * batch * single["draft_ms"], "verify_ms": scale * ratio * single["verify_ms"],
              "fixed_ms": scale * batch * single["fixed_ms"]}
     return {**parts, "step_ms": sum(parts.values())}
@@ -177,8 +189,10 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     # calibration pass: batched decodes of every timed tree set each batch size's in-situ factor
     # (the median over trees of timed over modeled step); a second pass checks the calibrated model
     calib = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress)
-    model.batch_in_situ = [1.0] + [statistics.median(1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
-                                                     for k in timed) for b in larger]
+    model.batch_in_situ = [[1.0] * len(model.verify_rows)] + [
+        in_situ_row(model.verify_rows, {k: 1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
+                                        for k in timed}, [trees[k].num_nodes for k in range(len(trees))])
+        for b in larger]
     measured = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress)
     # a batched decode runs at the context its prompt gives: the check compares at that context
     check_ctx = len(prompt) + check_tokens / 2
@@ -196,5 +210,5 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
                                                      new_tokens)
     errors = [abs(r["model_error_pct"]) for e in out["per_batch"].values() for r in e["trees"] if "model_error_pct" in r]
     out["max_abs_error_pct"] = max(errors) if errors else None
-    out["in_situ"] = dict(zip(map(str, sizes), model.batch_in_situ))
+    out["in_situ"] = {str(b): dict(zip(model.verify_rows, f)) for b, f in zip(sizes, model.batch_in_situ)}
     return out

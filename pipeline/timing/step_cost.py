@@ -141,9 +141,9 @@ class StepCostModel:
     # entry the batched forward of B sequences over the one-sequence forward at the reference context
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     batch_verify_ratio: list[list[float]] = field(default_factory=list)
-    # per batch size: timed batched steps inside real decodes over the model's figure for them
-    # (a calibration pass of batched decodes, checked by a second one); empty: 1.0 everywhere
-    batch_in_situ: list[float] = field(default_factory=list)
+    # per batch size and verify_rows entry: timed batched steps inside real decodes over the model's
+    # figure for them (a calibration pass of batched decodes, checked by a second one); empty: 1.0
+    batch_in_situ: list[list[float]] = field(default_factory=list)
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -176,10 +176,11 @@ class StepCostModel:
                 for r in self.batch_verify_ratio)):
             raise ValueError(f"{what}: batch_verify_ratio must be [{len(self.batch_sizes)} batch sizes]"
                              f"[{len(self.verify_rows)} rows] of positive ratios; rebuild the time stage (force=true)")
-        if self.batch_in_situ and (len(self.batch_in_situ) != len(self.batch_sizes)
-                                   or not all(math.isfinite(v) and v > 0 for v in self.batch_in_situ)):
-            raise ValueError(f"{what}: batch_in_situ must hold one positive factor per batch size "
-                             f"({len(self.batch_sizes)}); rebuild the time stage (force=true)")
+        if self.batch_in_situ and (len(self.batch_in_situ) != len(self.batch_sizes) or any(
+                len(r) != len(self.verify_rows) or not all(math.isfinite(v) and v > 0 for v in r)
+                for r in self.batch_in_situ)):
+            raise ValueError(f"{what}: batch_in_situ must be [{len(self.batch_sizes)} batch sizes]"
+                             f"[{len(self.verify_rows)} rows] of positive factors; rebuild the time stage (force=true)")
         if not (isinstance(self.in_situ, (int, float)) and math.isfinite(self.in_situ) and self.in_situ > 0):
             raise ValueError(f"{what}: in_situ must be a positive number (draft + verify inside decodes over the same "
                              f"parts measured alone), got {self.in_situ}; rebuild the time stage (force=true)")
