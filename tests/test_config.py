@@ -274,6 +274,8 @@ LAUNCHER_PLUGINS = {  # our file -> (plugin config it extends, plugin module, it
     "ray_shards": ("ray", "hydra_plugins.hydra_ray_launcher", "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"),
     "submitit_shards": ("submitit_slurm", "hydra_plugins.hydra_submitit_launcher",
                         "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+    "submitit_local_shards": ("submitit_local", "hydra_plugins.hydra_submitit_launcher",
+                              "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"),
 }
 
 
@@ -286,12 +288,16 @@ def _plugin_stand_in(name: str) -> type:
                                              ("remote", Dict[str, Any], field(default_factory=dict))])
         return make_dataclass("RayLauncherConf", [("_target_", str, field(default=LAUNCHER_PLUGINS["ray_shards"][2])),
                                                   ("ray", RayConf, field(default_factory=RayConf))])
-    assert name == "submitit_slurm", name
-    fields = [("_target_", str, LAUNCHER_PLUGINS["submitit_shards"][2]),
+    assert name in ("submitit_slurm", "submitit_local"), name
+    ours = "submitit_shards" if name == "submitit_slurm" else "submitit_local_shards"
+    fields = [("_target_", str, LAUNCHER_PLUGINS[ours][2]),
               ("submitit_folder", str, "${hydra.sweep.dir}/.submitit/%j"), ("timeout_min", int, 60),
               ("cpus_per_task", Optional[int], None), ("gpus_per_node", Optional[int], None), ("tasks_per_node", int, 1),
               ("mem_gb", Optional[int], None), ("nodes", int, 1), ("name", str, "${hydra.job.name}"),
-              ("stderr_to_stdout", bool, False), ("partition", Optional[str], None), ("qos", Optional[str], None),
+              ("stderr_to_stdout", bool, False)]
+    if name == "submitit_local":  # the plugin's BaseQueueConf fields only
+        return make_dataclass("LocalQueueConf", [(n, t, field(default=d)) for n, t, d in fields])
+    fields += [("partition", Optional[str], None), ("qos", Optional[str], None),
               ("comment", Optional[str], None), ("constraint", Optional[str], None), ("exclude", Optional[str], None),
               ("gres", Optional[str], None), ("cpus_per_gpu", Optional[int], None), ("gpus_per_task", Optional[int], None),
               ("mem_per_gpu", Optional[str], None), ("mem_per_cpu", Optional[str], None), ("account", Optional[str], None),
