@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.device import clock
+from runtime.dynamic import DYNAMIC_TREE, DynamicPolicy
 from runtime.heads import DraftHeads
 from runtime.model import BatchItem, KVCache, Transformer
 from runtime.policy import SIGNALS, BatchScheduler, Scheduler
@@ -108,10 +109,11 @@ def acceptance_dict(acceptance: Acceptance) -> dict[str, float | str]:
 
 @dataclass
 class StepRecord:
-    tree: int          # index of the tree used in this step
+    tree: int          # index of the tree used in this step; DYNAMIC_TREE (-1): a DynamicPolicy's subset
     accepted: int      # accepted draft tokens (tokens emitted this step = accepted + 1)
     seconds: float     # wall time of the whole step (choose + draft + verify + accept)
-    signal: float      # the value the policy saw (nan for a fixed schedule)
+    signal: float      # the value the policy saw (nan for a fixed schedule and a DynamicPolicy)
+    nodes: int = 0     # nodes verified in this step (the tree's size)
 
 
 @dataclass
@@ -142,8 +144,13 @@ class GenerationResult:
 
     def stats(self) -> dict[str, float | int | dict[int, int]]:
         used: dict[int, int] = {}
+        dynamic: dict[int, int] = {}
         for s in self.steps:
-            used[s.tree] = used.get(s.tree, 0) + 1
+            if s.tree == DYNAMIC_TREE:
+                dynamic[s.nodes] = dynamic.get(s.nodes, 0) + 1
+            else:
+                used[s.tree] = used.get(s.tree, 0) + 1
+        extra = {"dynamic_nodes": dict(sorted(dynamic.items()))} if dynamic else {}
         return {
             "new_tokens": len(self.tokens),
             "steps": len(self.steps),
@@ -152,6 +159,7 @@ class GenerationResult:
             "decode_tok_per_s": round(self.decode_tokens_per_second, 2),
             "prefill_s": round(self.prefill_seconds, 4),
             "trees_used": used,
+            **extra,
         }
 
 
@@ -333,7 +341,7 @@ class TreeDecoder:
 
     # -- one sequence's decode, in phases that `generate` and `generate_batch` share ---------------
 
-    def _open(self, input_ids: Sequence[int], max_new_tokens: int, choose: Scheduler | int,
+    def _open(self, input_ids: Sequence[int], max_new_tokens: int, choose: Scheduler | DynamicPolicy | int,
               eos_ids: Sequence[int] | None, stream: Callable[[list[int]], None] | None,
               sampler: Sampler | None) -> _Sequence:
         sampler = sampler if sampler is not None else Sampler()
@@ -344,27 +352,35 @@ class TreeDecoder:
             raise ValueError("empty prompt: give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        self.check_fits(len(input_ids), max_new_tokens)
+        if isinstance(choose, DynamicPolicy):
+            choose.prepare(self.model.device, self.heads.config.num_heads)
+            if choose.depth >= len(self._offsets):   # slots of an accepted path after compaction
+                self._offsets = torch.arange(choose.depth + 1, device=self.model.device)
+        self.check_fits(len(input_ids), max_new_tokens,
+                        choose.num_nodes if isinstance(choose, DynamicPolicy) else None)
         eos = set(eos_ids if eos_ids is not None else self.model.args.eos_token_ids)
         fixed = isinstance(choose, int)
         if fixed and not 0 <= choose < len(self.trees):
             raise ValueError(f"tree index {choose} out of range: the decoder has {len(self.trees)} trees")
-        if not fixed:
-            if not isinstance(choose, Scheduler):
-                raise ValueError(f"choose must be a tree index or a runtime.policy.Scheduler, got {type(choose).__name__}")
+        if isinstance(choose, Scheduler):
             choose.policy.check_bank(len(self.trees))
             choose.reset()
+        elif not fixed and not isinstance(choose, DynamicPolicy):
+            raise ValueError(f"choose must be a tree index, a runtime.policy.Scheduler or a runtime.dynamic."
+                             f"DynamicPolicy, got {type(choose).__name__}")
         return _Sequence(list(input_ids), max_new_tokens, choose, eos, stream, sampler)
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, tree_nodes: int | None = None) -> None:
         """Raise ValueError, with the numbers, when a prompt of `prompt_tokens` plus `max_new_tokens`
-        plus the largest tree does not fit the KV cache."""
+        plus the largest tree (of the bank, or `tree_nodes`: a DynamicPolicy's super-tree) does
+        not fit the KV cache."""
         capacity = self.model.max_seq_len
-        need = prompt_tokens + max_new_tokens + self._max_nodes
+        largest = self._max_nodes if tree_nodes is None else tree_nodes
+        need = prompt_tokens + max_new_tokens + largest
         if need > capacity:
             raise ValueError(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) + largest tree "
-                f"({self._max_nodes} nodes) = {need} exceeds the KV cache capacity {capacity}; "
+                f"({largest} nodes) = {need} exceeds the KV cache capacity {capacity}; "
                 "shorten the prompt, lower max_new_tokens or load the model with a larger max_seq_len"
             )
 
@@ -395,15 +411,24 @@ class TreeDecoder:
 
     def _observe(self, seq: _Sequence) -> float:
         """The sequence's signal before this step (its scheduler's)."""
+        if not seq.scheduled:
+            raise ValueError("a batch policy chooses from the sequences' Scheduler signals; a DynamicPolicy chooses "
+                             "its own tree: decode it without batch_policy")
         chain = greedy_chain_top1(self.heads, seq.h, seq.root) if seq.reads_heads else ()
         return seq.choose.signal.observe(seq.p0, chain, seq.entropy)
 
     def _draft(self, seq: _Sequence, tree: int | None = None) -> tuple[TreeBuffers, torch.Tensor, int]:
         """Choose the step's tree (or take `tree`, chosen for the whole batch from the signal
-        `_observe` gave) and draft it: (its buffers, the drafted tokens [N], the cache slot of its root)."""
+        `_observe` gave) and draft it: (its buffers, the drafted tokens [N], the cache slot of its root).
+        A DynamicPolicy drafts its super-tree and returns the subset it chose (`runtime.dynamic`)."""
         # No synchronisation for this clock read: the previous step ended with one (its token
         # transfer); device work queued after it (the heads' observation) counts in this step.
         seq.step_t0 = time.perf_counter()
+        seq.start = self.model.cache_len
+        if tree is None and isinstance(seq.choose, DynamicPolicy):
+            seq.tree, seq.signal = DYNAMIC_TREE, math.nan
+            seq.buf, seq.drafted = seq.choose.draft(self.heads, seq.h, seq.root)
+            return seq.buf, seq.drafted, seq.start
         if tree is not None:
             seq.tree = tree
         elif seq.fixed:
@@ -411,8 +436,7 @@ class TreeDecoder:
         else:
             seq.signal = self._observe(seq)
             seq.tree = seq.choose.policy.choose(seq.signal)
-        buf = self.trees[seq.tree]
-        seq.start = self.model.cache_len
+        seq.buf = buf = self.trees[seq.tree]
         seq.drafted = self.heads.propose(seq.h, seq.root, buf)
         return buf, seq.drafted, seq.start
 
@@ -420,7 +444,7 @@ class TreeDecoder:
         """Accept, compact the cache, observe the accepted positions and emit, from the verify
         forward's logits [N, V] and hidden states [N, dim] of the tree drafted by `_draft`."""
         model, heads = self.model, self.heads
-        buf, start, k = self.trees[seq.tree], seq.start, seq.tree
+        buf, start, k = seq.buf, seq.start, seq.tree
         tokens = seq.drafted
         best, bonus = self._accept(buf, tokens, logits, seq.sampler, len(seq.result.tokens))
         path = buf.node_paths.index_select(0, best)[0]      # [D+1] root..best, padded with best
@@ -444,11 +468,12 @@ class TreeDecoder:
                 break
         seq.result.tokens.extend(out)
         seq.root = out[-1]
-        if not seq.fixed:
+        if seq.scheduled:
             seq.choose.update(accepted)
             if seq.reads_logits:
                 seq.p0, seq.entropy = _p0_and_entropy(*host[-2:])
-        seq.result.steps.append(StepRecord(k, accepted, time.perf_counter() - seq.step_t0, seq.signal))
+        seq.result.steps.append(StepRecord(k, accepted, time.perf_counter() - seq.step_t0, seq.signal,
+                                           buf.num_nodes))
         if seq.stream:
             seq.stream(out)
         seq.done = seq.root in seq.eos or len(seq.result.tokens) >= seq.max_new_tokens
@@ -460,7 +485,7 @@ class _Sequence:
 
     input_ids: list[int]
     max_new_tokens: int
-    choose: Scheduler | int
+    choose: Scheduler | DynamicPolicy | int
     eos: set[int]
     stream: Callable[[list[int]], None] | None
     sampler: Sampler
@@ -474,6 +499,7 @@ class _Sequence:
     done: bool = False
     # the current step, between `_draft` and `_finish`
     tree: int = 0
+    buf: TreeBuffers | None = None            # the step's tree (a bank tree, or a DynamicPolicy's subset)
     signal: float = math.nan
     start: int = 0
     drafted: torch.Tensor | None = None
@@ -484,12 +510,17 @@ class _Sequence:
         return isinstance(self.choose, int)
 
     @property
+    def scheduled(self) -> bool:
+        """Chosen by a Scheduler (a policy over a signal), which reads and updates per step."""
+        return isinstance(self.choose, Scheduler)
+
+    @property
     def reads_heads(self) -> bool:
-        return not self.fixed and self.choose.signal.reads_heads
+        return self.scheduled and self.choose.signal.reads_heads
 
     @property
     def reads_logits(self) -> bool:
-        return not self.fixed and self.choose.signal.reads_logits
+        return self.scheduled and self.choose.signal.reads_logits
 
 
 def _logit_sums(logits: torch.Tensor) -> torch.Tensor:

@@ -419,6 +419,23 @@ class DraftHeads(nn.Module):
         batched), so the work is one small batch per depth, with topk only as wide as the tree
         needs there (`buffers.topk`). Every index comes precomputed with the buffers, which must
         live on the heads' device: no host synchronisation happens here."""
+        return self._draft_tree(h, root_token, buffers, None)
+
+    @torch.no_grad()
+    def propose_scored(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers) -> tuple[Tensor, Tensor]:
+        """`propose`, plus each node's head probability: (tokens [N], node_prob [N] float32), where
+        node_prob[i] is softmax of the logits of the head that drafted node i (at its parent, as
+        `propose` runs it) at node i's token, over the head's output vocabulary; the root's is 1.
+
+        A dynamic tree policy multiplies these along each path (EAGLE-2's path value) to choose,
+        every step, which nodes of a super-tree to verify (`runtime.dynamic`). Same work as
+        `propose` plus one softmax pass over each head's logits; still no host synchronisation."""
+        node_prob = torch.ones(buffers.num_nodes, dtype=torch.float32, device=h.device)
+        return self._draft_tree(h, root_token, buffers, node_prob), node_prob
+
+    def _draft_tree(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers,
+                    node_prob: Tensor | None) -> Tensor:
+        """The drafting behind `propose` and `propose_scored`: fills node_prob[1:] when given."""
         depth = len(buffers.depth_slices)
         if depth > self.config.num_heads:
             raise ValueError(f"the tree has depth {depth} but the heads draft only {self.config.num_heads} tokens")
@@ -437,9 +454,11 @@ class DraftHeads(nn.Module):
 
         if self.config.kind == "medusa":
             states = self.head_states(h, None, heads=depth)                 # [1, depth, dim]
-            top = self.output_logits(states)[0].topk(max(buffers.topk), dim=-1).indices  # [depth, k]
-            picked = top[buffers.draft_heads, ranks[1:]]
+            logits = self.output_logits(states)[0]                         # [depth, V_out]
+            picked = logits.topk(max(buffers.topk), dim=-1).indices[buffers.draft_heads, ranks[1:]]
             tokens[1:] = picked if self.draft_ids is None else self.draft_ids[picked]
+            if node_prob is not None:  # one fused softmax pass (about half of a log-sum-exp's cost)
+                node_prob[1:] = torch.softmax(logits.float(), dim=-1)[buffers.draft_heads, picked]
             return tokens
 
         # Hydra: inputs[i] = concat(h, e(root), e(tokens on node i's path)) for nodes of depth d-1
@@ -451,6 +470,8 @@ class DraftHeads(nn.Module):
             picked = top[buffers.parent_inverse[d - 1], ranks[start:end]]
             tok = picked if self.draft_ids is None else self.draft_ids[picked]
             tokens[start:end] = tok
+            if node_prob is not None:  # one fused softmax pass (about half of a log-sum-exp's cost)
+                node_prob[start:end] = torch.softmax(logits.float(), dim=-1)[buffers.parent_inverse[d - 1], picked]
             if d < depth:
                 inputs = torch.cat([inputs.index_select(0, buffers.parent_slots[d - 1]), self.embed(tok)], dim=-1)
         return tokens

@@ -330,6 +330,60 @@ class TreeBuffers:
             topk=topk,
         )
 
+    def subset(self, keep: torch.Tensor) -> TreeBuffers:
+        """The buffers of the sub-tree made of the nodes `keep` (int64 node indices, increasing,
+        root first, closed under taking a parent), on this tree's device.
+
+        Built from this tree's own (already checked) tensors by indexing, with a full -> subset
+        index map for the parents, so it skips `__post_init__`'s per-node checks; only the
+        ancestor lists, which the verify forward reads on the host, come back as Python lists.
+        A dynamic tree policy calls it once per distinct subset and caches the result
+        (`runtime.dynamic.DynamicPolicy`). Raises TreeError when `keep` is not such a set."""
+        idx = keep.to(device=self.depths.device, dtype=torch.long).flatten()
+        n_full = self.num_nodes
+        if idx.numel() == 0 or int(idx[0]) != 0 or bool((idx[1:] <= idx[:-1]).any()) or int(idx[-1]) >= n_full:
+            raise TreeError(f"a subset of a {n_full}-node tree lists node indices increasing from the root (0), "
+                            f"below {n_full}")
+        n = idx.numel()
+        remap = torch.full((n_full,), -1, dtype=torch.long, device=idx.device)
+        remap[idx] = torch.arange(n, device=idx.device)
+        parent_index = remap[self.parent_index[idx]]           # root -> remap[0] = 0
+        if bool((parent_index[1:] < 0).any()):
+            raise TreeError("a subset of tree nodes must hold every kept node's parent (be closed under ancestors)")
+        parents = parent_index.clone()
+        parents[0] = -1
+        depths = self.depths[idx]
+        ranks = self.ranks[idx]
+        depth = int(depths.max())
+        counts = torch.bincount(depths, minlength=depth + 1).tolist()
+        depth_slices, start = [], 1
+        for count in counts[1:]:
+            depth_slices.append((start, start + count))
+            start += count
+        ranges = [(0, 1)] + depth_slices
+        parent_slots = [parents[a:b] - ranges[d][0] for d, (a, b) in enumerate(depth_slices)]
+        topk = (torch.zeros(depth + 1, dtype=torch.long, device=idx.device)
+                .scatter_reduce(0, depths, ranks, "amax")[1:] + 1).tolist()
+        # each node's path root..node, padded with the node itself, in subset indices
+        node_paths = remap[self.node_paths[idx][:, : depth + 1]]
+        has_child = torch.zeros(n, dtype=torch.bool, device=idx.device)
+        has_child[parent_index[1:]] = True
+        leaves = (~has_child).nonzero().flatten()
+        width = torch.arange(depth + 1, device=idx.device)
+        retrieve = torch.where(width[None, :] <= depths[leaves][:, None], node_paths[leaves], -1)
+        out = object.__new__(TreeBuffers)
+        out.attn_mask = self.attn_mask[idx][:, idx]
+        out.depths, out.parents, out.ranks = depths, parents, ranks
+        out.retrieve_indices = retrieve
+        out.depth_slices, out.parent_slots, out.topk = depth_slices, parent_slots, topk
+        out.parent_index, out.node_paths = parent_index, node_paths
+        uniques = [torch.unique(s, return_inverse=True) for s in parent_slots]
+        out.unique_parents = [u for u, _ in uniques]
+        out.parent_inverse = [inv for _, inv in uniques]
+        out.draft_heads = depths[1:] - 1
+        out.ancestor_lists = [row[: d + 1] for row, d in zip(node_paths.tolist(), depths.tolist())]
+        return out
+
     @property
     def num_nodes(self) -> int:
         return int(self.depths.shape[0])
