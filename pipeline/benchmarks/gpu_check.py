@@ -54,17 +54,18 @@ REPORT = "gpu_check.json"
 INVARIANT_ROWS = 8  # conf/config.yaml's invariant_rows: the padded row count of `lossless: exact`
 
 # the sizes per mode: (shape, dtypes, contexts, rows, repeats, step-model probe rounds and check
-# rounds, new tokens per timed decode, prompt tokens of the decodes, graph timing repeats, budget s)
+# rounds, new tokens per timed decode, prompt tokens of the decodes, graph timing repeats, budget s,
+# contexts of the attention probe: None = its own, ~200 / 700 / 1500 placed at KEY_CHUNK boundaries)
 MODES: dict[str, dict[str, Any]] = {
     "cuda": {"shape": "vicuna-7b", "dtypes": ["float16", "bfloat16"], "contexts": [200, 700, 1500],
              "rows": [1, 2, 4, 8, 16, 32, 64, 128], "repeats": 7, "step_repeats": 3, "step_rounds": 2,
-             "new_tokens": 24, "prompt_tokens": 200, "graph_repeats": 15, "budget_s": 400},
+             "new_tokens": 24, "prompt_tokens": 200, "graph_repeats": 15, "budget_s": 400, "probe_contexts": None},
     "cpu": {"shape": "cpu-small", "dtypes": ["float32", "bfloat16"], "contexts": [200, 700, 1500],
             "rows": [1, 2, 4, 8, 16, 32, 64, 128], "repeats": 3, "step_repeats": 2, "step_rounds": 1,
-            "new_tokens": 12, "prompt_tokens": 200, "graph_repeats": 3, "budget_s": 240},
+            "new_tokens": 12, "prompt_tokens": 200, "graph_repeats": 3, "budget_s": 240, "probe_contexts": None},
     "quick": {"shape": "tiny", "dtypes": ["float32", "bfloat16"], "contexts": [24, 90],
               "rows": [1, 2, 4, 8, 16], "repeats": 1, "step_repeats": 1, "step_rounds": 1,
-              "new_tokens": 6, "prompt_tokens": 24, "graph_repeats": 1, "budget_s": 240},
+              "new_tokens": 6, "prompt_tokens": 24, "graph_repeats": 1, "budget_s": 240, "probe_contexts": [24, 90]},
 }
 
 
@@ -234,6 +235,28 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
                 _print_rows(arith, ctx)
         model.set_row_invariance(None)
 
+    def probe_section() -> None:
+        # the row-invariance probe at Vicuna-7B's and Llama-3-8B's attention shapes (1-layer models,
+        # every row of two trees against an AR walk), where pipeline.benchmarks.row_invariance has it
+        from pipeline.benchmarks import row_invariance
+
+        probe = getattr(row_invariance, "invariance_probe", None)
+        if probe is None:
+            out["attention_probe"] = {"unavailable": "pipeline.benchmarks.row_invariance has no invariance_probe"}
+            say("    attention probe: unavailable (no row_invariance.invariance_probe)")
+            return
+        kwargs = {} if cfg["probe_contexts"] is None else {"contexts": cfg["probe_contexts"]}
+        try:
+            r = probe(device, dtype, rows=INVARIANT_ROWS, **kwargs)
+        except RuntimeError as e:  # set_row_invariance's own refusal on this machine
+            out["attention_probe"] = {"refused": str(e)}
+            say(f"    attention probe: exact REFUSED here: {str(e)[:200]}")
+            return
+        out["attention_probe"] = r
+        for e in r["results"]:
+            say(f"    attention probe {e['shape']:>10} ctx {e['context']:>5} {e['tree']:>9}: {e['identical_rows']}/"
+                f"{e['nodes']} rows bit-identical to AR (max|d| {e['max_abs_diff']})")
+
     def verify_section() -> None:
         out["verify_cost"] = res = {}
         arithmetics = ["numerical"] + ([] if exact_refused else ["exact"])
@@ -298,6 +321,7 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
 
     with torch.inference_mode():
         guarded("row_agreement", rows_section)
+        guarded("attention_probe", probe_section)
         guarded("verify_cost", verify_section)
         guarded("draft_cost", draft_section)
     guarded("cuda_graphs", graphs_section)
@@ -308,7 +332,8 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
         for e in estimate["trees"]:
             say(f"    step with graph {e['tree']:>14}: timed {e['step_ms']} ms, verify eager {e['verify_eager_ms']} ms -> "
                 f"graph {e['verify_graph_ms']} ms: about {e['step_with_graph_ms']} ms ({e['speedup']}x; estimated)")
-    out["failures"] = gm.failures_of(out.get("row_agreement", {}), out.get("cuda_graphs", {}), dtype)
+    out["failures"] = gm.failures_of(out.get("row_agreement", {}), out.get("cuda_graphs", {}), dtype,
+                                     out.get("attention_probe"))
     del model, heads
     gc.collect()
     if device.type == "cuda":
@@ -336,7 +361,7 @@ def _run_dtypes(cfg: dict[str, Any], device: Any, budget: Any, sections: set[str
         report.write()
 
 
-SECTIONS = ("row_agreement", "verify_cost", "draft_cost", "cuda_graphs", "step_model")
+SECTIONS = ("row_agreement", "attention_probe", "verify_cost", "draft_cost", "cuda_graphs", "step_model")
 
 
 def main(argv: list[str] | None = None, assume_gpu: bool | None = None) -> int:
@@ -419,6 +444,8 @@ def main(argv: list[str] | None = None, assume_gpu: bool | None = None) -> int:
     # with device=cuda in that dtype cannot be exact: said at the end, where it is seen
     warnings = [f"{d}: lossless exact refused: {r['exact_refused']}" for d, r in doc["dtypes"].items()
                 if r.get("exact_refused")]
+    warnings += [f"{d}: attention probe: exact refused: {r['attention_probe']['refused']}"
+                 for d, r in doc["dtypes"].items() if "refused" in r.get("attention_probe", {})]
     doc.update(failures=failures, skipped=skipped, warnings=warnings,
                elapsed_s=round(time.perf_counter() - t_start, 1), verdict="FAIL" if failures else "OK")
     report.write()

@@ -466,12 +466,18 @@ def graph_step_estimate(step: dict[str, Any] | None, graphs: dict[str, Any] | No
     return {"arithmetic_of_step": step.get("arithmetic"), "trees": rows} if rows else None
 
 
-def failures_of(rows: dict[str, Any], graphs: dict[str, Any], dtype: torch.dtype) -> list[str]:
+def failures_of(rows: dict[str, Any], graphs: dict[str, Any], dtype: torch.dtype,
+                probe: dict[str, Any] | None = None) -> list[str]:
     """What in a dtype's results breaks a promise: the row-invariant arithmetic's rows must equal
-    AR's bit for bit (what `lossless: exact` rests on); the graphs' forward must compute what the
-    eager forward computes up to rounding (a wrong mask or position gives differences of the
-    logits' own size)."""
+    AR's bit for bit (what `lossless: exact` rests on), in the whole model and in the attention
+    probe (`pipeline.benchmarks.row_invariance.invariance_probe`); the graphs' forward must compute
+    what the eager forward computes up to rounding (a wrong mask or position gives differences of
+    the logits' own size)."""
     bad = []
+    for r in (probe or {}).get("results", []):
+        if r["identical_rows"] != r["nodes"]:
+            bad.append(f"attention probe (exact): {r['shape']} {r['tree']} at context {r['context']}: only "
+                       f"{r['identical_rows']}/{r['nodes']} rows bit-identical to AR (max |diff| {r['max_abs_diff']})")
     for ctx in rows.get("exact", {}).get("contexts", []):
         for r in ctx["layouts"]:
             if r["identical"] != r["compared"]:
