@@ -175,6 +175,14 @@ class TopologyBank:
                 + (f" = {entry['tok_per_s'][k] / ar:.2f}x AR" if ar else ""))
             lines.append(f"  batch {int(b):3d}: {tree}; AR {nan if ar is None else ar:.1f} tok/s; best chain "
                          f"{'none' if chain is None else chain['depth']}")
+        replays = self.oracle.get("batch") if isinstance(self.oracle, dict) else None
+        if replays:
+            methods = ["one tree for all", "static per batch size", "batch scheduler"]
+            lines.append("  replayed batch tok/s (share of the batch oracle): batch | " + " | ".join(methods)
+                         + " | batch oracle")
+            for b, r in sorted(replays.items(), key=lambda kv: int(kv[0])):
+                cells = [f"{r[m]:.1f} ({100 * r[m + ' share of oracle']:.0f}%)" if m in r else "-" for m in methods]
+                lines.append(f"    {int(b):3d} | " + " | ".join(cells) + f" | {r.get('batch oracle', nan):.1f}")
         return "\n".join(lines)
 
     # ----------------------------------------------------------------------------------------

@@ -94,11 +94,16 @@ def test_a_bank_keeps_its_batch_record_and_refuses_a_damaged_one(tmp_path) -> No
     n = len(bank.trees)
     bank.batch_schedule = {str(b): {"best_static": n - 1 if b == 1 else 0, "best_chain": None, "ar_step_ms": 20.0 * b,
                                     "step_ms": [21.0 * b] * n, "tok_per_s": [50.0 / b] * n} for b in (1, 2, 4)}
+    bank.oracle = {**bank.oracle, "batch": {"2": {"one tree for all": 80.0, "static per batch size": 90.0,
+                                                  "batch oracle": 100.0, "one tree for all share of oracle": 0.8,
+                                                  "static per batch size share of oracle": 0.9}}}
     folder = bank.save(tmp_path / "bank")
     loaded = TopologyBank.load(folder)
     assert loaded.batch_schedule == json.loads(json.dumps(bank.batch_schedule))
     assert [c.batch_size for c in schedule_from_bank(loaded).choices] == [1, 2, 4]
     assert "batch   4: tree [0]" in loaded.summary()
+    # the replayed batch methods in one table, each with its share of the batch oracle
+    assert "      2 | 80.0 (80%) | 90.0 (90%) | - | 100.0" in loaded.summary()
     doc = json.loads((folder / "bank.json").read_text())
     doc["batch_sizes"]["2"]["step_ms"] = [1.0]  # one entry for several trees
     (folder / "bank.json").write_text(json.dumps(doc))
