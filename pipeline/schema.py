@@ -238,6 +238,8 @@ class ProfileConfig:
     grow_budget: int = at_least(MISSING, 1)    # largest tree grown (nodes, root excluded)
     recalib_prompts: int = at_least(MISSING, 1)
     timing_prompts: int = at_least(MISSING, 1)
+    # GPUs each rollout shard asks a cluster launcher for (conf/hydra/launcher/*_shards.yaml)
+    shard_gpus: int = at_least(0, 0)
 
 
 @dataclass

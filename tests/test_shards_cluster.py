@@ -253,3 +253,11 @@ def test_ray_address_from_the_environment() -> None:
     assert _launcher("ray_shards", address, "hydra.launcher.ray.init.address=auto", env={"RAY_ADDRESS": None}) == ["auto"]
     # set, so that the launcher does not put in its 75 MB, which Ray refuses when joining a running cluster
     assert _launcher("ray_shards", ("ray.init.object_store_memory",)) == [None]
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_launcher_asks_for_the_gpu_profile_s_gpu(name: str) -> None:
+    module, _, gpus = LAUNCHERS[name]
+    pytest.importorskip(module, reason=f'{module} is not installed: pip install -e ".[ray,slurm]"')
+    assert _launcher(name, (gpus,), "profile=paper", "device=cuda") == [1]
+    assert _launcher(name, (gpus,), "profile=paper", "profile.shard_gpus=2") == [2]
