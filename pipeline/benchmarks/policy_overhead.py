@@ -63,9 +63,9 @@ TARGET_US = 100.0  # issue 5
 SMOLLM2 = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536)
 
 
-DEFAULT_BANK = Path("artifacts") / "banks" / "smollm2-135m-instruct" / "hydra-draft8192" / "humaneval"
-DEFAULT_STEP_COST = (Path("artifacts") / "rollouts" / "smollm2-135m-instruct" / "hydra-draft8192" / "humaneval" / "cpu"
-                     / "time" / "step_cost.json")
+# no default model here: pass --bank (and --step-cost) for the dynamic-policy part
+DEFAULT_BANK = None
+DEFAULT_STEP_COST = None
 DYN_PROMPTS = ("Write a Python function that returns the n-th Fibonacci number.",
                "Complete the following Python function.\n\n```python\ndef is_palindrome(s: str) -> bool:\n"
                "    \"\"\"Whether s reads the same backwards.\"\"\"\n```")
@@ -424,9 +424,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), help="read the shapes from here if present")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--bank", default=str(DEFAULT_BANK),
+    p.add_argument("--bank", default=DEFAULT_BANK,
                    help="time EntMTP-dyn on this bank's model and heads (random heads when it is absent)")
-    p.add_argument("--step-cost", default=str(DEFAULT_STEP_COST),
+    p.add_argument("--step-cost", default=DEFAULT_STEP_COST,
                    help="the time stage's step-cost model, for the dynamic decodes' cost array (if present)")
     p.add_argument("--super-nodes", type=int, default=24, help="EntMTP-dyn super-tree size (0: skip that section)")
     p.add_argument("--decode-tokens", type=int, default=96,
