@@ -38,13 +38,7 @@ def _one_thread():
         yield
 
 
-def _model(arithmetic: str, seed: int = 0) -> Transformer:
-    model = tiny_model(seed)
-    if arithmetic == "kernel":
-        model.add_fast_paths()
-        assert model.kernel_decode
-    model.set_row_invariance(4)
-    return model
+from tests.test_batch import _model  # noqa: E402 - the tiny model in a row-invariant arithmetic
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
