@@ -369,3 +369,26 @@ def test_cost_contexts_take_the_reference_from_the_task_and_cover_the_check() ->
     # the other way round: the grid still starts at the shorter of the two prompts
     grid, ref, check = cost_contexts(300, 120, 96, 24)
     assert grid == [120, ref, 396] and ref == 168 and check == 312
+
+
+def test_verify_costs_are_timed_on_a_shallow_tree_in_exact_mode_too() -> None:
+    """The verify grid's rows form a tree (a root and branches of TIMING_BRANCH_DEPTH), not a chain:
+    real trees are shallow, and exact (row-invariant) attention refuses a path past 63 new tokens,
+    so a 128-row chain could not be timed in the mode that decodes."""
+    from pipeline.timing.step_cost import TIMING_BRANCH_DEPTH, timing_tree_ancestors
+    from tests.helpers import tiny_model
+
+    for rows in (1, 2, 9, 10, 128):
+        anc = timing_tree_ancestors(rows)
+        assert len(anc) == rows and anc[0] == [0]
+        for i, a in enumerate(anc):
+            assert a[0] == 0 and a[-1] == i and a == sorted(set(a))   # root first, itself last
+            if i:
+                assert anc[a[-2]] == a[:-1]                                # its parent's path, then itself
+            assert len(a) - 1 <= TIMING_BRANCH_DEPTH
+    model = tiny_model()
+    model.setup_cache(400)
+    model.set_row_invariance(4)
+    gen = torch.Generator().manual_seed(0)
+    fill_cache(model, 200, gen)
+    assert time_forward(model, 200, 128, gen, time.perf_counter) > 0 and model.cache_len == 200

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from pipeline.timing.step_cost import StepCostModel, _interp, error_pct, fill_cache, nondecreasing
+from pipeline.timing.step_cost import (StepCostModel, _interp, error_pct, fill_cache, nondecreasing,
+                                       timing_tree_ancestors)
 from runtime.decoder import TreeDecoder
 from runtime.model import BatchItem, KVCache, Transformer
 from runtime.sampling import Sampler
@@ -37,26 +38,11 @@ from runtime.tree import Tree
 WARMUP = 1
 
 
-# depth of the timing trees' branches: as deep as verified trees go, well inside the row-invariant
-# attention's limit (runtime.model.KEY_CHUNK new tokens on one path)
-BRANCH_DEPTH = 8
-
-
-def _branch_ancestors(rows: int, depth: int = BRANCH_DEPTH) -> list[list[int]]:
-    """Ancestor lists of a tree of `rows` tokens: a root, then branches of up to `depth` tokens each
-    hanging off it (a tree's cost depends on its rows, not its shape, as long as it is shallow)."""
-    out = [[0]]
-    for i in range(1, rows):
-        start = 1 + (i - 1) // depth * depth
-        out.append([0, *range(start, i + 1)])
-    return out
-
-
 @torch.inference_mode()
 def measure_batch_verify(model: Transformer, batch_sizes: Sequence[int], rows: Sequence[int], context: int,
                          repeats: int, now: Callable[[], float]) -> dict[tuple[int, int], float]:
     """Median over `repeats` passes of verify_B(N) / verify_1(N) for every B in `batch_sizes` and N
-    in `rows`: one `forward_batch` of B sequences x N new rows (a shallow tree each) after `context`
+    in `rows`: one `forward_batch` of B sequences x N new rows (each `timing_tree_ancestors`) after `context`
     committed positions per sequence, over the one-sequence forward of N rows in the same pass.
     The model's own cache is left as it was."""
     if not batch_sizes or min(batch_sizes) < 1 or not rows or min(rows) < 1:
@@ -74,9 +60,10 @@ def measure_batch_verify(model: Transformer, batch_sizes: Sequence[int], rows: S
         samples: dict[tuple[int, int], list[float]] = {}
         for rep in range(WARMUP + repeats):
             for n in rows:
+                anc = timing_tree_ancestors(n)
+                pos = torch.tensor([context + len(a) - 1 for a in anc], device=dev)
                 for b in sorted(set(batch_sizes) | {1}):
-                    items = [BatchItem(c, torch.randint(0, model.args.vocab_size, (n,), generator=gen).to(dev),
-                                       torch.arange(context, context + n, device=dev), _branch_ancestors(n))
+                    items = [BatchItem(c, torch.randint(0, model.args.vocab_size, (n,), generator=gen).to(dev), pos, anc)
                              for c in caches[:b]]
                     t0 = now()
                     model.forward_batch(items)

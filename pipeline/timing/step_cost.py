@@ -349,16 +349,38 @@ def fill_cache(model: Transformer, length: int, gen: torch.Generator) -> None:
         model(ids, torch.arange(start, start + n, device=model.device), last_only=True)
 
 
+# depth of the timing trees' branches: as deep as verified trees go, and well inside the exact
+# attention's limit (runtime.model.KEY_CHUNK - 1 new tokens on one path)
+TIMING_BRANCH_DEPTH = 8
+
+
+def timing_tree_ancestors(rows: int, depth: int = TIMING_BRANCH_DEPTH) -> list[list[int]]:
+    """Ancestor lists (each ending at the token itself) of the tree every verify cost is timed on:
+    a root, then branches of up to `depth` tokens hanging off it. A verify's cost follows its row
+    count and, in exact mode, its rows' key counts; a tree-shaped mask gets both as real trees do
+    (a chain of N rows would be N deep, and exact attention refuses forwards past 63)."""
+    out = [[0]]
+    for i in range(1, rows):
+        start = 1 + (i - 1) // depth * depth
+        out.append([0, *range(start, i + 1)])
+    return out
+
+
 def time_forward(model: Transformer, context: int, rows: int, gen: torch.Generator, now: Callable[[], float]) -> float:
-    """Seconds of one forward of `rows` random new tokens (causal among themselves) after the first
-    `context` committed positions, which must be in the cache; the cache is cut back to `context`."""
+    """Seconds of one forward of `rows` random new tokens shaped as `timing_tree_ancestors` after
+    the first `context` committed positions, which must be in the cache; the cache is cut back to
+    `context`."""
     if model.cache_len < context:
         raise ValueError(f"time_forward at context {context}: the cache holds {model.cache_len} positions")
     model.truncate_cache(context)
     dev = model.device
     ids = torch.randint(0, model.args.vocab_size, (1, rows), generator=gen).to(dev)
-    mask = torch.ones(rows, rows, dtype=torch.bool, device=dev).tril()
-    pos = torch.arange(context, context + rows, device=dev)
+    mask = torch.zeros(rows, rows, dtype=torch.bool)
+    depth = torch.zeros(rows, dtype=torch.long)
+    for i, anc in enumerate(timing_tree_ancestors(rows)):
+        mask[i, anc] = True
+        depth[i] = len(anc) - 1
+    mask, pos = mask.to(dev), (context + depth).to(dev)
     t0 = now()
     model(ids, pos, mask, check_mask=False)
     t = now() - t0
