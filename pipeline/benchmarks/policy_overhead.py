@@ -55,7 +55,7 @@ from runtime.decoder import _top1_and_entropy, greedy_chain_top1
 from runtime.dynamic import DynamicPolicy
 from runtime.heads import DraftHeads, HeadsConfig
 from runtime.model import ModelArgs, Transformer
-from runtime.policy import Scheduler, policy_from_dict, policy_overhead_us
+from runtime.policy import policy_from_dict, policy_overhead_us, scheduler_step_us
 from runtime.tree import TREES_DIR, Tree, TreeBuffers
 
 TARGET_US = 100.0  # issue 5
@@ -225,21 +225,8 @@ def time_dynamic(heads: DraftHeads, h: torch.Tensor, root: int, tree: Tree, step
 
 def bank_policy_us(policies: dict[str, dict], n_trees: int, n_steps: int = 20000, seed: int = 0) -> dict[str, float]:
     """Microseconds per step of choose + update for each of a bank's stored policies (the static
-    bank switch), on pre-generated Python floats as `policy_overhead_us` does."""
-    import random
-
-    rng = random.Random(seed)
-    inputs = [(rng.random(), [rng.random() for _ in range(4)], 3.0 * rng.random(), rng.randrange(5))
-              for _ in range(n_steps)]
-    out = {}
-    for name, d in policies.items():
-        sched = Scheduler(policy_from_dict(d), n_trees)
-        t0 = time.perf_counter()
-        for p0, chain, ent, acc in inputs:
-            sched.choose(p0, chain, ent)
-            sched.update(acc)
-        out[name] = (time.perf_counter() - t0) / n_steps * 1e6
-    return out
+    bank switch), on the same pre-generated inputs as `policy_overhead_us`."""
+    return scheduler_step_us({name: policy_from_dict(d) for name, d in policies.items()}, n_trees, n_steps, 4, seed)
 
 
 def dynamic_decodes(engine: Any, policy: DynamicPolicy, new_tokens: int) -> dict[str, Any]:
