@@ -302,7 +302,8 @@ class TreeDecoder:
         own, own_heads = model.cache, heads.save_state()
         try:
             for seq in seqs:
-                seq.cache = model.new_cache()
+                seq.cache = model.new_cache(min(model.max_seq_len, len(seq.input_ids) + seq.max_new_tokens + (
+                    seq.choose.num_nodes if isinstance(seq.choose, DynamicPolicy) else self._max_nodes)))
                 seq.heads_state = heads.new_state()
                 self._enter(seq)
                 self._prefill(seq)

@@ -106,7 +106,7 @@ def ar_generate_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     caches = []
     try:
         for k, p in enumerate(prompts):
-            cache = model.new_cache()
+            cache = model.new_cache(min(model.max_seq_len, len(p) + limits[k] + 1))
             caches.append(cache)
             if limits[k] == 0:
                 continue

@@ -220,7 +220,7 @@ RowProducts = Callable[[nn.Module, Tensor], Tensor]
 
 
 class KVCache:
-    """One sequence's KV cache: kv [n_layers, 2, kv_heads, max_seq_len, head_dim] (each layer's
+    """One sequence's KV cache: kv [n_layers, 2, kv_heads, capacity, head_dim] (each layer's
     slice a contiguous view, as the attention kernels read it) and the number of committed
     positions. A model decodes into the one `Transformer.use_cache` names; a batch keeps one per
     sequence (`Transformer.forward_batch`)."""
@@ -229,6 +229,11 @@ class KVCache:
         self.kv = kv
         self.layers = list(kv.unbind(0))  # views, so the big tensor stays the one truth
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Positions it holds."""
+        return self.kv.shape[3]
 
 
 # Row-invariant attention in torch (`lossless: exact` where the small-row kernel does not run: bf16,
@@ -690,13 +695,18 @@ class Transformer(nn.Module):
         self.use_cache(self.new_cache())
         self.rope_cos, self.rope_sin = rope_tables(a, max_seq_len, weight.device)
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache of another sequence, the size of this model's (`setup_cache`): a batch
-        holds one per sequence, and `use_cache` says which one the single-sequence calls use."""
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty KV cache of another sequence for `capacity` positions (default: this model's
+        `max_seq_len`, the most it may hold): a batch holds one per sequence, each as large as
+        that sequence needs (zeroing a full-length cache per sequence costs more than its
+        prefill), and `use_cache` says which one the single-sequence calls use."""
         if self.max_seq_len == 0:
             raise RuntimeError("the KV cache is not allocated: call setup_cache(max_seq_len) first")
+        capacity = self.max_seq_len if capacity is None else capacity
+        if not 1 <= capacity <= self.max_seq_len:
+            raise ValueError(f"a KV cache of {capacity} positions: give 1 to max_seq_len ({self.max_seq_len})")
         a, weight = self.args, self.output.weight
-        return KVCache(torch.zeros(a.n_layers, 2, a.n_kv_heads, self.max_seq_len, a.head_dim,
+        return KVCache(torch.zeros(a.n_layers, 2, a.n_kv_heads, capacity, a.head_dim,
                                    dtype=weight.dtype, device=weight.device))
 
     def use_cache(self, cache: KVCache) -> None:
@@ -879,9 +889,9 @@ class Transformer(nn.Module):
         n = tokens.shape[1]
         if input_pos.shape != (n,):
             raise ValueError(f"input_pos must have shape [{n}], got {tuple(input_pos.shape)}")
-        start = self._cache_len
-        if start + n > self.max_seq_len:
-            raise ValueError(f"the KV cache holds {self.max_seq_len} positions; {start} are used and {n} more "
+        start, capacity = self._cache_len, self._cache.capacity
+        if start + n > capacity:
+            raise ValueError(f"the KV cache holds {capacity} positions; {start} are used and {n} more "
                              "do not fit. Call setup_cache with a larger max_seq_len (or truncate/reset the cache)")
         self._check_mask(mask, n, check_mask and ancestors is None)
         if (self.invariant_rows is not None or self.kernel_decode) and (mask is not None or n == 1):
@@ -961,8 +971,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"a batch item needs n >= 1 tokens with n positions and n ancestor lists, got "
                                  f"{tuple(it.tokens.shape)}, {tuple(it.positions.shape)}, {len(it.ancestors)}")
             start = it.cache.length
-            if start + n > self.max_seq_len:
-                raise ValueError(f"a sequence's KV cache holds {self.max_seq_len} positions; {start} are used and {n} "
+            if start + n > it.cache.capacity:
+                raise ValueError(f"a sequence's KV cache holds {it.cache.capacity} positions; {start} are used and {n} "
                                  "more do not fit")
             plans.append(row_plan(start, it.ancestors, dev, block, kernel=kernel))
             bounds.append((row, row + n))

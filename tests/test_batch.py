@@ -43,11 +43,11 @@ def test_forward_batch_rows_equal_each_sequence_alone(arithmetic: str) -> None:
     with torch.inference_mode():
         for k, p in enumerate(prompts):
             tokens = torch.randint(0, 40, (buf.num_nodes,), generator=torch.Generator().manual_seed(k))
-            cache = model.new_cache()
+            cache = model.new_cache(len(p) + buf.num_nodes)   # just what it needs: a cache's size changes no result
             model.use_cache(cache)
             model(torch.tensor([p]), torch.arange(len(p)))
             twin = model.new_cache()
-            twin.kv.copy_(cache.kv)
+            twin.kv[:, :, :, :len(p)] = cache.kv[:, :, :, :len(p)]
             twin.length = cache.length
             model.use_cache(twin)
             logits, hidden = model(tokens[None], cache.length + buf.depths, buf.attn_mask, check_mask=False,
@@ -59,6 +59,19 @@ def test_forward_batch_rows_equal_each_sequence_alone(arithmetic: str) -> None:
         assert torch.equal(logits, b_logits) and torch.equal(hidden, b_hidden)
         assert cache.length == twin.length
         assert torch.equal(cache.kv[:, :, :, :cache.length], twin.kv[:, :, :, :twin.length])
+
+
+def test_a_sequence_cache_holds_what_it_was_sized_for() -> None:
+    model = _model("padded")
+    with pytest.raises(ValueError, match="1 to max_seq_len"):
+        model.new_cache(model.max_seq_len + 1)
+    cache = model.new_cache(5)
+    assert cache.capacity == 5
+    buf = TreeBuffers.compile(Tree([(0,), (0, 0)]))
+    with torch.inference_mode():
+        model.forward_batch([BatchItem(cache, torch.tensor([1, 2, 3]), buf.depths, buf.ancestor_lists)])
+        with pytest.raises(ValueError, match="holds 5 positions; 3 are used and 3"):
+            model.forward_batch([BatchItem(cache, torch.tensor([1, 2, 3]), 3 + buf.depths, buf.ancestor_lists)])
 
 
 def test_forward_batch_needs_the_row_invariant_arithmetic() -> None:
