@@ -478,7 +478,8 @@ def batch_choice(bank, batch_size: int, schedule=None) -> int | None:
 
 def batch_methods(model, hydra, bank, sampler=None, acceptance="exact") -> tuple[dict[str, Callable], dict[str, str]]:
     """The batched methods, each `run(prompts, n, batch_size) -> (tokens per prompt, steps per
-    prompt, what it decoded with)`, keyed by label, and what each label means.
+    prompt, what it decoded with, seconds of the prompts' prefills)`, keyed by label, and what
+    each label means.
 
     * AR (batched): `ar_generate_batch`;
     * EntMTP* static per batch size: `batch_choice` at the batch size (batched AR where it is None);
@@ -497,21 +498,24 @@ def batch_methods(model, hydra, bank, sampler=None, acceptance="exact") -> tuple
     def tree_words(k: int) -> str:
         return f"tree {k} ({bank.trees[k].num_nodes} nodes)"
 
-    def ar(prompts: list[list[int]], n: int, _b: int) -> tuple[list[list[int]], list[int], str]:
-        toks = ar_generate_batch(model, prompts, n, sampler=sampler)
-        return toks, [max(len(t) - 1, 0) for t in toks], "AR"
+    Run = tuple[list[list[int]], list[int], str, float]
 
-    def spec(prompts: list[list[int]], n: int, choose: list, words: str) -> tuple[list[list[int]], list[int], str]:
+    def ar(prompts: list[list[int]], n: int, _b: int) -> Run:
+        prefills: list[float] = []
+        toks = ar_generate_batch(model, prompts, n, sampler=sampler, prefill_seconds=prefills)
+        return toks, [max(len(t) - 1, 0) for t in toks], "AR", sum(prefills)
+
+    def spec(prompts: list[list[int]], n: int, choose: list, words: str) -> Run:
         rs = dec.generate_batch(prompts, n, choose=choose, sampler=sampler)
-        return [r.tokens for r in rs], [len(r.steps) for r in rs], words
+        return [r.tokens for r in rs], [len(r.steps) for r in rs], words, sum(r.prefill_seconds for r in rs)
 
-    def per_batch(prompts: list[list[int]], n: int, b: int) -> tuple[list[list[int]], list[int], str]:
+    def per_batch(prompts: list[list[int]], n: int, b: int) -> Run:
         k = batch_choice(bank, b, schedule)
         if k is None:
             return ar(prompts, n, b)
         return spec(prompts, n, [k] * len(prompts), tree_words(k))
 
-    def one_tree(prompts: list[list[int]], n: int, _b: int) -> tuple[list[list[int]], list[int], str]:
+    def one_tree(prompts: list[list[int]], n: int, _b: int) -> Run:
         return spec(prompts, n, [bank.best_static] * len(prompts), tree_words(bank.best_static))
 
     per_label = PER_BATCH_NO_AXIS if schedule.approximate else PER_BATCH
@@ -529,7 +533,7 @@ def batch_methods(model, hydra, bank, sampler=None, acceptance="exact") -> tuple
     else:
         label = f"{POLICY_LABELS.get(name, name)} (default policy)"
 
-        def policy(prompts: list[list[int]], n: int, _b: int) -> tuple[list[list[int]], list[int], str]:
+        def policy(prompts: list[list[int]], n: int, _b: int) -> Run:
             return spec(prompts, n, [Scheduler(policy_from_dict(pol), len(bank.trees)) for _ in prompts], f"policy {name}")
 
         methods[label] = policy
@@ -542,11 +546,15 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
     """Decode the prompts of `rows` ({"id", "input_ids"}) at each batch size B of `batch_sizes`: in
     groups of B (in order; the last group holds the rest), every group by every method of
     `batch_methods` in turn (interleaved, so drift of the machine hits all alike), each group's wall
-    time taken with `runtime.device.clock` (prefill included). Every sequence's tokens are checked
-    against that prompt's single-sequence AR output (`ar_generate`, once per prompt).
+    time taken with `runtime.device.clock` (prefill included) and its prefills' time. Every
+    sequence's tokens are checked against that prompt's single-sequence AR output (`ar_generate`,
+    once per prompt).
 
     Returns the table (one row per method x B: batch throughput = new tokens of all sequences /
-    summed group wall time, its ratio to batched AR at the same B, tokens per step, identical k/n)
+    summed group wall time, and decode throughput = the tokens after each sequence's first / that
+    time less the prefills (speculation changes decoding, not prefill: the figure a server's
+    decode throughput compares), each with its ratio to batched AR at the same B, tokens per step,
+    identical k/n)
     and the per-sequence records keyed by (method, B). Needs the row-invariant arithmetic
     (`lossless: exact`)."""
     from runtime.generate import ar_generate
@@ -570,14 +578,16 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
         methods[m](prompts[: max(sizes)], 4, max(sizes))
     recs: dict[tuple[str, int], list[dict]] = {(m, b): [] for b in sizes for m in names}
     seconds = {(m, b): 0.0 for b in sizes for m in names}
+    prefill = {(m, b): 0.0 for b in sizes for m in names}
     used: dict[tuple[str, int], str] = {}
     groups = [(b, i) for b in sizes for i in range(0, len(prompts), b)]
     for b, i in tqdm(groups, desc=desc, unit="group"):
         group = prompts[i:i + b]
         for m in names:
             t0 = clock(dev)
-            toks, steps, words = methods[m](group, n_new, b)
+            toks, steps, words, pre = methods[m](group, n_new, b)
             seconds[m, b] += clock(dev) - t0
+            prefill[m, b] += pre
             used[m, b] = words
             for j, (t, s) in enumerate(zip(toks, steps)):
                 recs[m, b].append({"id": rows[i + j]["id"], "tokens": t, "steps": s, "identical": t == reference[i + j]})
@@ -591,6 +601,8 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
             out.append({"method": m, "batch_size": b, "decoded_with": used[m, b], "sequences": len(rs),
                         "groups": -(-len(rs) // b), "new_tokens": toks, "seconds": seconds[m, b],
                         "tok_per_s": toks / seconds[m, b] if seconds[m, b] > 0 else math.nan,
+                        "prefill_seconds": prefill[m, b],
+                        "decode_tok_per_s": dec_toks / max(seconds[m, b] - prefill[m, b], 1e-9),
                         "tokens_per_step": dec_toks / max(sum(r["steps"] for r in rs), 1),
                         "identical": same, "compared": len(rs), "identical_to_ar": same / len(rs)})
             if same < len(rs):
@@ -599,6 +611,8 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
     df = pd.DataFrame(out)
     ar_speed = df[df.method == BATCH_AR].set_index("batch_size").tok_per_s
     df["vs_batched_ar"] = df.tok_per_s / df.batch_size.map(ar_speed)
+    ar_decode = df[df.method == BATCH_AR].set_index("batch_size").decode_tok_per_s
+    df["decode_vs_batched_ar"] = df.decode_tok_per_s / df.batch_size.map(ar_decode)
     df.attrs["meaning"] = meaning  # what each method label decodes with
     return df, recs
 
@@ -615,40 +629,46 @@ def batch_table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str, meaning:
     head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, {how}, batch sizes "
             f"{', '.join(map(str, sizes))}, {dtype}, {where}, {prompts} eval prompts x "
             f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n"
-            "tok/s: new tokens of all sequences / summed wall time of their groups (prefill included); x batched "
+            "tok/s: new tokens of all sequences / summed wall time of their groups (prefill included); decode "
+            "tok/s: the tokens after each sequence's first / that time less the prompts' prefills; x batched "
             "AR: against AR (batched) at the same batch size; identical: sequences token-identical to that "
             "prompt decoded alone by AR.\n\n")
     for label, words in (meaning or {}).items():
         head += f"- {label}: {words}\n"
     if meaning:
         head += "\n"
-    lines = ["| method | batch | decoded with | tok/s | x batched AR | tokens/step | identical |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | batch | decoded with | tok/s | x batched AR | decode tok/s | x batched AR (decode) | tokens/step "
+             "| identical |", "|---|---|---|---|---|---|---|---|---|"]
     for _, r in df.sort_values(["batch_size"], kind="stable").iterrows():
         lines.append(f"| {r.method} | {int(r.batch_size)} | {r.decoded_with} | {r.tok_per_s:.1f} | {r.vs_batched_ar:.3f} | "
+                     f"{r.decode_tok_per_s:.1f} | {r.decode_vs_batched_ar:.3f} | "
                      f"{r.tokens_per_step:.2f} | {int(r.identical)}/{int(r.compared)} |")
     return head + "\n".join(lines) + "\n"
 
 
 def plot_batches(df: pd.DataFrame, path: Path, task: str) -> None:
-    """Batch throughput against batch size (log2 axis), one line per method."""
+    """Batch throughput against batch size (log2 axis), one line per method: prefill included
+    (left) and decode only (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for method, d in df.groupby("method", sort=False):
-        d = d.sort_values("batch_size")
-        ax.plot(d.batch_size, d.tok_per_s, marker="o", label=method,
-                color="gray" if method == BATCH_AR else None, ls="--" if method == BATCH_AR else "-")
-    ax.set_xscale("log", base=2)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     sizes = sorted(int(b) for b in df.batch_size.unique())
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([str(b) for b in sizes])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("batch tok/s (prefill included)")
-    ax.set_title(f"{task}: throughput by batch size")
-    ax.legend(fontsize=7)
+    for ax, col, what in ((axes[0], "tok_per_s", "batch tok/s (prefill included)"),
+                          (axes[1], "decode_tok_per_s", "batch decode tok/s (prefill excluded)")):
+        for method, d in df.groupby("method", sort=False):
+            d = d.sort_values("batch_size")
+            ax.plot(d.batch_size, d[col], marker="o", label=method,
+                    color="gray" if method == BATCH_AR else None, ls="--" if method == BATCH_AR else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(what)
+    axes[0].set_title(f"{task}: throughput by batch size")
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

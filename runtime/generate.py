@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from runtime.device import clock
 from runtime.model import BatchItem, Transformer, load_model, load_tokenizer
 from runtime.sampling import RowPositions, Sampler
 
@@ -79,12 +80,14 @@ def ar_generate(model: Transformer, input_ids: list[int], max_new_tokens: int,
 
 @torch.inference_mode()
 def ar_generate_batch(model: Transformer, prompts: list[list[int]], max_new_tokens: int | list[int],
-                      eos_ids: Iterable[int] | None = None, sampler: Sampler | None = None) -> list[list[int]]:
+                      eos_ids: Iterable[int] | None = None, sampler: Sampler | None = None,
+                      prefill_seconds: list[float] | None = None) -> list[list[int]]:
     """`ar_generate` of several prompts together, the batched baseline: each step runs one token of
     every live sequence in one forward (`Transformer.forward_batch`, each sequence with its own KV
     cache), and a sequence leaves the batch after its EOS or token limit. Needs the row-invariant
     arithmetic (`lossless: exact`); each sequence's tokens are then exactly `ar_generate`'s for it
-    alone. The model's own cache is left as it was."""
+    alone. The model's own cache is left as it was. Given a list, `prefill_seconds` gets each
+    prompt's prefill time appended (as `GenerationResult.prefill_seconds` of a tree decode)."""
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if not prompts or len(limits) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts and {len(limits)} token limits: give at least one prompt, one limit each")
@@ -111,8 +114,11 @@ def ar_generate_batch(model: Transformer, prompts: list[list[int]], max_new_toke
             if limits[k] == 0:
                 continue
             model.use_cache(cache)
+            t0 = clock(device)
             logits, _ = model(torch.tensor([p], device=device), torch.arange(len(p), device=device), last_only=True)
             outs[k].append(pick(logits[0, -1], 0))
+            if prefill_seconds is not None:
+                prefill_seconds.append(clock(device) - t0)
         live = [k for k in range(len(prompts)) if outs[k] and outs[k][-1] not in stop and len(outs[k]) < limits[k]]
         while live:
             items = [BatchItem(caches[k], torch.tensor([outs[k][-1]], device=device),

@@ -55,6 +55,10 @@ def _check_table(df, per_label: str) -> None:  # noqa: ANN001 - the table
     assert (df.identical == df.compared).all() and (df.compared == 3).all()
     assert (df.identical_to_ar == 1.0).all()
     assert (df.loc[df.method == BATCH_AR, "vs_batched_ar"] == 1.0).all()
+    assert (df.loc[df.method == BATCH_AR, "decode_vs_batched_ar"] == 1.0).all()
+    # every method prefills each prompt once: decoding alone is faster than the whole run
+    assert (df.prefill_seconds > 0).all() and (df.prefill_seconds < df.seconds).all()
+    assert (df.decode_tok_per_s > df.tok_per_s * (df.new_tokens - df.sequences) / df.new_tokens).all()
     assert (df.tokens_per_step >= 1.0).all() and (df.loc[df.method == BATCH_AR, "tokens_per_step"] == 1.0).all()
 
 
