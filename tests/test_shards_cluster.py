@@ -11,7 +11,8 @@ folder: every file of the merged rollout equal byte for byte.
 
 Slow (each starts several interpreters). Fast: what each launcher config asks of the cluster
 (composed, not run), Slurm's included. Everything here is skipped where the launchers are not
-installed: `pip install -e ".[ray,slurm]"`.
+installed: `pip install -e ".[pipeline,dev,ray,slurm]"` (one resolve: ray's cloudpickle < 3 then keeps
+joblib < 1.6; installing ".[ray]" on its own over `make install` leaves joblib 1.6, which wants >= 3).
 """
 
 from __future__ import annotations
@@ -122,16 +123,16 @@ def _free_port() -> int:
 @pytest.fixture
 def needs_ray() -> None:
     """Skips the test (before its costlier fixtures) where Ray or its Hydra launcher is missing."""
-    pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[ray]"')
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason='hydra-ray-launcher is not installed: pip install -e ".[ray]"')
+    pytest.importorskip("ray", reason='Ray is not installed: pip install -e ".[pipeline,ray]"')
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason='hydra-ray-launcher is not installed: pip install -e ".[pipeline,ray]"')
 
 
 @pytest.fixture
 def needs_submitit() -> None:
     """Skips the test (before its costlier fixtures) where submitit or its Hydra launcher is missing."""
-    pytest.importorskip("submitit", reason='submitit is not installed: pip install -e ".[slurm]"')
+    pytest.importorskip("submitit", reason='submitit is not installed: pip install -e ".[pipeline,slurm]"')
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
-                        reason='hydra-submitit-launcher is not installed: pip install -e ".[slurm]"')
+                        reason='hydra-submitit-launcher is not installed: pip install -e ".[pipeline,slurm]"')
 
 
 @pytest.fixture
@@ -235,7 +236,7 @@ def _launcher(name: str, keys: tuple[str, ...], *overrides: str, env: dict[str, 
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
 def test_launcher_asks_for_threads_cpus_and_no_gpu_on_the_cpu_profile(name: str) -> None:
     module, cpus, gpus = LAUNCHERS[name]
-    pytest.importorskip(module, reason=f'{module} is not installed: pip install -e ".[ray,slurm]"')
+    pytest.importorskip(module, reason=f'{module} is not installed: pip install -e ".[pipeline,ray,slurm]"')
     for threads in (1, 4):
         asked_cpus, asked_gpus = _launcher(name, (cpus, gpus), "profile=cpu", f"threads={threads}")
         # none: a CPU cluster has no GPU, and a shard asking for one would never start
@@ -244,7 +245,7 @@ def test_launcher_asks_for_threads_cpus_and_no_gpu_on_the_cpu_profile(name: str)
 
 
 def test_ray_address_from_the_environment() -> None:
-    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason='hydra-ray-launcher is not installed: pip install -e ".[ray]"')
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason='hydra-ray-launcher is not installed: pip install -e ".[pipeline,ray]"')
     # unset: null, i.e. a Ray instance of the sweep's own on this machine (not `auto`, which fails
     # where no cluster runs)
     address = ("ray.init.address",)
@@ -258,6 +259,6 @@ def test_ray_address_from_the_environment() -> None:
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
 def test_launcher_asks_for_the_gpu_profile_s_gpu(name: str) -> None:
     module, _, gpus = LAUNCHERS[name]
-    pytest.importorskip(module, reason=f'{module} is not installed: pip install -e ".[ray,slurm]"')
+    pytest.importorskip(module, reason=f'{module} is not installed: pip install -e ".[pipeline,ray,slurm]"')
     assert _launcher(name, (gpus,), "profile=paper", "device=cuda") == [1]
     assert _launcher(name, (gpus,), "profile=paper", "profile.shard_gpus=2") == [2]
