@@ -11,8 +11,8 @@ folder: every file of the merged rollout equal byte for byte.
 
 Slow (each starts several interpreters). Fast: what each launcher config asks of the cluster
 (composed, not run), Slurm's included. Everything here is skipped where the launchers are not
-installed: `pip install -e ".[pipeline,dev,ray,slurm]"` (one resolve: ray's cloudpickle < 3 then keeps
-joblib < 1.6; installing ".[ray]" on its own over `make install` leaves joblib 1.6, which wants >= 3).
+installed: `pip install ".[ray]"` / `".[slurm]"` over `make install` (the ray extra holds joblib below
+1.6, whose cloudpickle >= 3 the Ray launcher's cloudpickle < 3 rules out).
 """
 
 from __future__ import annotations
