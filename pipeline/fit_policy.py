@@ -401,3 +401,137 @@ def fit_all_policies(
         "hysteresis_paper_grid": fitted.get("hysteresis_paper_grid"),
         "n_replays": fitted["n_replays"],
     }
+
+
+# ----------------------------------------------------------------------------- EntMTP-dyn
+
+
+def calibration_samples(rollouts: Sequence[dict], scores: Sequence[np.ndarray], super_tree: Any
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(path values, depths, accepted) of every non-root super-tree node at every step index
+    i < T - 1 of every prompt: the node's path value (the product of the head probabilities on
+    its path, as `DynamicPolicy.values` computes it before calibration) and whether a step at i
+    would accept it (its rank path is a prefix of R[i]). Every step index counts, not only those a
+    decode visits: the calibration is a property of the heads, not of one schedule."""
+    import torch
+
+    from runtime.dynamic import DynamicPolicy
+    from runtime.tree import Tree
+
+    tree = super_tree if isinstance(super_tree, Tree) else Tree(super_tree)
+    pol = DynamicPolicy(tree, [1.0] * tree.num_nodes)
+    paths = [()] + [None] * (tree.num_nodes - 1)
+    for p in tree.paths:
+        paths[tree.node_index(p)] = tuple(p)
+    depths = np.asarray([len(p) for p in paths[1:]], dtype=np.int64)
+    xs, ds, ys = [], [], []
+    for r, sc in zip(rollouts, scores):
+        R = np.asarray(r["rank_paths"])
+        T = len(R)
+        if T < 2:
+            continue
+        sc = np.asarray(sc, dtype=np.float32)[: T - 1]
+        probs = torch.cat([torch.ones(T - 1, 1), torch.from_numpy(np.ascontiguousarray(sc))], dim=1)
+        mask = pol.super_tree.attn_mask
+        vals = torch.where(mask[None], probs[:, None, :], 1.0).prod(dim=2)[:, 1:].numpy()  # [T-1, N-1]
+        hit = np.zeros_like(vals, dtype=bool)
+        for j, p in enumerate(paths[1:]):
+            hit[:, j] = (R[: T - 1, : len(p)] == np.asarray(p)[None]).all(axis=1)
+        xs.append(vals.ravel())
+        ds.append(np.broadcast_to(depths[None], vals.shape).ravel())
+        ys.append(hit.ravel())
+    if not xs:
+        return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+    return np.concatenate(xs), np.concatenate(ds), np.concatenate(ys)
+
+
+def _pav(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted isotonic (non-decreasing) regression by pooling adjacent violators."""
+    vals, wts, sizes = [], [], []
+    for v, c in zip(y.tolist(), w.tolist()):
+        vals.append(v)
+        wts.append(c)
+        sizes.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            v2, w2, s2 = vals.pop(), wts.pop(), sizes.pop()
+            vals[-1] = (vals[-1] * wts[-1] + v2 * w2) / (wts[-1] + w2)
+            wts[-1] += w2
+            sizes[-1] += s2
+    return np.repeat(np.asarray(vals), sizes)
+
+
+def fit_calibration(values: np.ndarray, depths: np.ndarray, accepted: np.ndarray, max_depth: int,
+                    bins: int = 12, min_samples: int = 50) -> dict[str, list[list[float]]]:
+    """Per depth 1..max_depth, a monotone map from path value to the observed acceptance rate
+    (`runtime.dynamic.Calibration`'s dict): the samples of a depth in `bins` quantile bins of the
+    path value, each bin's mean value and acceptance rate, made non-decreasing by isotonic
+    regression (weighted by the bins' counts), bins with the same mean value merged. A depth with
+    fewer than `min_samples` samples or one distinct value keeps the identity (knots (0, 0), (1, 1)).
+    Why: the heads' probabilities are over-confident or shy by depth, and the policy sums these
+    estimates as expected accepted tokens to decide how many nodes a step pays for."""
+    xs_out, ys_out = [], []
+    for d in range(1, max_depth + 1):
+        sel = depths == d
+        x, y = values[sel].astype(np.float64), accepted[sel].astype(np.float64)
+        knots = None
+        if len(x) >= min_samples:
+            order = np.argsort(x, kind="stable")
+            x, y = x[order], y[order]
+            groups = [g for g in np.array_split(np.arange(len(x)), min(bins, len(x))) if len(g)]
+            mx = np.asarray([x[g].mean() for g in groups])
+            my = np.asarray([y[g].mean() for g in groups])
+            cnt = np.asarray([len(g) for g in groups], dtype=np.float64)
+            fy = _pav(my, cnt)
+            kx, ky = [], []
+            for a, b in zip(np.clip(mx, 0.0, 1.0).tolist(), np.clip(fy, 0.0, 1.0).tolist()):
+                if kx and a <= kx[-1]:
+                    ky[-1] = max(ky[-1], b)   # same mean value: one knot (still non-decreasing)
+                    continue
+                kx.append(a)
+                ky.append(b)
+            if len(kx) >= 2:
+                knots = (kx, ky)
+        if knots is None:
+            knots = ([0.0, 1.0], [0.0, 1.0])
+        xs_out.append([float(v) for v in knots[0]])
+        ys_out.append([float(v) for v in knots[1]])
+    return {"xs": xs_out, "ys": ys_out}
+
+
+def fit_dynamic(rollouts: Sequence[dict], super_trees: Sequence[Any], scores: Sequence[Sequence[np.ndarray]],
+                step_ms_for: Any, rank_cap: int | None = None, calibrate: bool = True) -> dict[str, Any]:
+    """EntMTP-dyn fitted by exact replay on the calibration split: for every candidate super-tree
+    (`super_trees[s]` with head scores `scores[s]`, per prompt [T, N-1]) and its per-size step costs
+    (`step_ms_for(tree)`: ms of a step verifying n = 1..N nodes, drafting the whole super-tree), the
+    identity calibration and the one fitted on these rollouts (`fit_calibration`) are replayed
+    (`pipeline.replay.replay_dynamic`); the fastest (replayed tokens/s) is kept.
+
+    Returns {"super_tree": paths, "step_ms": [...], "calibration": dict, "replay": figures,
+    "candidates": [per candidate and calibration: nodes, calibrated, tokens/step, tokens/s]}."""
+    from pipeline.replay import replay_dynamic
+    from runtime.dynamic import Calibration, DynamicPolicy
+    from runtime.tree import Tree
+
+    if not super_trees:
+        raise ValueError("no candidate super-trees to fit EntMTP-dyn on")
+    best: dict[str, Any] | None = None
+    candidates = []
+    for tree, sc in zip(super_trees, scores):
+        t = tree if isinstance(tree, Tree) else Tree(tree)
+        costs = [float(c) for c in step_ms_for(t)]
+        cals: list[dict[str, Any]] = [{}]
+        if calibrate:
+            v, d, a = calibration_samples(rollouts, sc, t)
+            cals.append(fit_calibration(v, d, a, t.depth))
+        for cal in cals:
+            pol = DynamicPolicy(t, costs, Calibration.from_dict(cal))
+            rep = replay_dynamic(rollouts, sc, pol, rank_cap)
+            entry = {"nodes": t.num_nodes, "depth": t.depth, "calibrated": bool(cal),
+                     "tokens_per_step": rep.tokens_per_step, "tokens_per_second": rep.tokens_per_second}
+            candidates.append(entry)
+            if best is None or rep.tokens_per_second > best["replay"]["tokens_per_second"] * (1 + 1e-9):
+                best = {"super_tree": [list(p) for p in t.paths], "step_ms": costs, "calibration": cal,
+                        "replay": rep.summary()}
+    assert best is not None
+    best["candidates"] = candidates
+    return best

@@ -624,3 +624,124 @@ def replay_batch(data: BankReplay, batch: int, choose: Callable[[list[tuple[int,
         lanes[:] = [lane for lane in lanes if lane[1] < len(data.accept_rows[lane[0]][0]) - 1]
         refill()
     return {"tokens": tokens, "steps": steps, "seconds": ms / 1000, "tokens_per_second": tokens / (ms / 1000)}
+
+
+# ----------------------------------------------------------------------------- EntMTP-dyn
+
+
+@dataclass
+class DynamicReplay:
+    """A DynamicPolicy replayed over rollouts (`replay_dynamic`)."""
+
+    steps: int
+    tokens: int
+    tokens_per_step: float
+    time_s: float | None
+    tokens_per_second: float | None
+    node_steps: np.ndarray                 # [N + 1]: steps that verified n nodes (index n)
+    visited: list[np.ndarray]              # per prompt: step indices visited
+    accepted: list[np.ndarray]             # per prompt: accepted length at each visited step
+    nodes: list[np.ndarray]                # per prompt: nodes verified at each visited step
+
+    def summary(self) -> dict[str, Any]:
+        used = {int(n): int(c) for n, c in enumerate(self.node_steps) if c}
+        return {"steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens_per_step,
+                "time_s": self.time_s, "tokens_per_second": self.tokens_per_second,
+                "mean_nodes": float(sum(n * c for n, c in used.items()) / max(self.steps, 1)), "nodes_used": used}
+
+
+def _super_index(policy: Any) -> dict[Path, int]:
+    """Node index of each rank path of the policy's super-tree (the root, (), is node 0)."""
+    tree = policy.super_tree.to_tree()
+    return {(): 0, **{tuple(p): tree.node_index(p) for p in tree.paths}}
+
+
+def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray], policy: Any,
+                   rank_cap: int | None = None, exact_costs: bool = True) -> DynamicReplay:
+    """Replay a `runtime.dynamic.DynamicPolicy` exactly over rollouts and their head scores.
+
+    `scores[n]` is prompt n's [T, N-1] float32 head probabilities of the policy's super-tree
+    (`pipeline.rollout.score_prompt`). At each visited step i the policy's own `select` picks the
+    subset from those probabilities (the same float32 operations as in a decode), the step accepts
+    the longest prefix of R[i] that is a node of the subset, and costs `policy.step_ms[n-1]` ms
+    for n nodes. Counting as everywhere here (module docstring): tokens per step = sum(T - 1) /
+    steps, tokens per second = the same tokens / the summed step costs.
+    `exact_costs=False` leaves time out (tokens per step only)."""
+    import torch
+
+    rolls = as_rollouts(rollouts)
+    if len(scores) != len(rolls):
+        raise ValueError(f"{len(rolls)} rollouts but head scores for {len(scores)} prompts")
+    K = rank_cap_of(rolls, rank_cap)
+    index = _super_index(policy)
+    paths = [p for p in index if p]
+    if paths and max(max(p) for p in paths) >= K:
+        raise ValueError(f"the super-tree has a rank >= rank_cap {K}: the rollout cannot score it")
+    if policy.depth > rolls[0]["rank_paths"].shape[1]:
+        raise ValueError(f"the super-tree has depth {policy.depth} but the rank paths cover {rolls[0]['rank_paths'].shape[1]} heads")
+    N = policy.num_nodes
+    cost = list(policy.step_ms)
+    steps = tokens = 0
+    time_ms = 0.0
+    node_steps = np.zeros(N + 1, dtype=np.int64)
+    visited, accepted, nodes = [], [], []
+    one = torch.ones(1, dtype=torch.float32)
+    for n, (r, sc) in enumerate(zip(rolls, scores)):
+        R = r["rank_paths"]
+        T = len(R)
+        sc = np.asarray(sc)
+        if sc.shape != (T, N - 1) or sc.dtype != np.float32:
+            raise ValueError(f"prompt {n}: head scores must be float32 [{T}, {N - 1}] (steps x non-root nodes of the "
+                             f"super-tree), got {sc.dtype} {sc.shape}")
+        probs = torch.from_numpy(np.ascontiguousarray(sc))
+        vis, acc, nod = [], [], []
+        i = 0
+        while i < T - 1:
+            keep, k, _ = policy.select(torch.cat([one, probs[i]]))
+            kept = keep.tolist()
+            a = 0
+            for d in range(1, R.shape[1] + 1):
+                j = index.get(tuple(int(x) for x in R[i, :d]), -1)
+                if j < 0 or not kept[j]:
+                    break
+                a = d
+            size = int(k)
+            vis.append(i)
+            acc.append(a)
+            nod.append(size)
+            node_steps[size] += 1
+            time_ms += cost[size - 1]
+            i += a + 1
+        steps += len(vis)
+        tokens += max(T - 1, 0)
+        visited.append(np.asarray(vis, dtype=np.int64))
+        accepted.append(np.asarray(acc, dtype=np.int64))
+        nodes.append(np.asarray(nod, dtype=np.int64))
+    if steps == 0:
+        raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
+    secs = time_ms / 1000 if exact_costs else None
+    return DynamicReplay(steps, tokens, tokens / steps, secs, tokens / secs if secs else None, node_steps, visited,
+                         accepted, nodes)
+
+
+def compare_dynamic_steps(replay: DynamicReplay, prompt: int, accepted_real: Sequence[int], nodes_real: Sequence[int],
+                          T: int, limit: int = 10) -> dict[str, Any]:
+    """A real EntMTP-dyn decode of prompt `prompt` against its replay, step by step (recalibrate's
+    check for the dynamic policy): the steps compared, how many agree on both the accepted length
+    and the subset's size, and the first few disagreements. A real step may accept drafts past the
+    rollout's end (then truncated), so its accepted length is compared capped at T - 1 - i."""
+    vis, acc, nod = (x[prompt].tolist() for x in (replay.visited, replay.accepted, replay.nodes))
+    agree, compared, out = 0, 0, []
+    i = 0
+    for s, (a_real, n_real) in enumerate(zip(accepted_real, nodes_real)):
+        if s >= len(vis) or vis[s] != i:
+            out.append({"step": s, "index": i, "what": "the replay visits other step indices"}) if len(out) < limit else None
+            break
+        compared += 1
+        if min(a_real, T - 1 - i) == acc[s] and n_real == nod[s]:
+            agree += 1
+        elif len(out) < limit:
+            out.append({"step": s, "index": i, "replay": [acc[s], nod[s]], "real": [a_real, n_real]})
+        i += a_real + 1
+    return {"steps_compared": compared, "steps_agree": agree, "real_steps": len(accepted_real),
+            "replay_steps": len(vis), "disagreements": out}

@@ -344,6 +344,19 @@ class BankConfig:
 
 
 @dataclass
+class DynamicConfig:
+    """EntMTP-dyn (`runtime.dynamic`): a per-step subset of a super-tree, chosen from the heads' path
+    values, fitted by the bank stage (`pipeline.bank.dynamic`) and evaluated beside the bank's trees."""
+
+    enabled: bool = True               # fit it (needs acceptance.kind=exact: its replay is exact acceptance)
+    # candidate super-trees: the grow frontier's trees of these many draft nodes at its deepest max
+    # depth (at most runtime.dynamic.MAX_SUPER_NODES - 1 = 62, and the cost model's measured rows);
+    # the calibration rollout is scored once per candidate, the best replayed one is kept
+    super_sizes: List[int] = field(default_factory=lambda: [8, 16, 32, 62])
+    calibrate: bool = True             # also try a per-depth monotone calibration fitted on the calibration split
+
+
+@dataclass
 class EvaluateConfig:
     max_new_tokens: int = at_least(MISSING, 1)
     hf_generate: bool = True           # include transformers generate as a baseline
@@ -352,6 +365,7 @@ class EvaluateConfig:
     # and at most batch_prompts; empty: no batched evaluation (needs lossless=exact)
     batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
     batch_prompts: int = at_least(8, 8)  # eval prompts (the split's first) decoded at each batch size
+    batch_repeats: int = at_least(3, 1)  # rounds of every group by every method; each group's time: their median
 
 
 @dataclass
@@ -382,6 +396,7 @@ class PipelineConfig:
     grow: GrowConfig = field(default_factory=GrowConfig)
     time: TimeConfig = field(default_factory=TimeConfig)
     bank: BankConfig = field(default_factory=BankConfig)
+    dynamic: DynamicConfig = field(default_factory=DynamicConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
@@ -430,7 +445,8 @@ def _dataclass_type(annotation: Any) -> type | None:
 
 _SCHEMAS_BY_NAME = {c.__name__: c for c in (ModelConfig, TrainSettings, HeadsGroup, TaskSource, TaskFields, TaskPools,
                                            TaskConfig, ProfileConfig, PolicyConfig, SamplingConfig, AcceptanceConfig, RolloutConfig,
-                                           GrowConfig, TimeConfig, BankConfig, EvaluateConfig, PipelineConfig)}
+                                           GrowConfig, TimeConfig, BankConfig, DynamicConfig, EvaluateConfig,
+                                           PipelineConfig)}
 
 
 def register_configs() -> None:

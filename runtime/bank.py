@@ -2,7 +2,9 @@
 
 On disk (one folder; no pickle, nothing in it is ever executed):
   bank.json            schema version, trees (paths + measured figures), the index of the best
-                       static tree (EntMTP*), fitted policies, oracle figures, provenance, and two
+                       static tree (EntMTP*), fitted policies, EntMTP-dyn's fitted dynamic policy
+                       (`dynamic`: super-tree, step cost per size, calibration; optional), oracle
+                       figures, provenance, and two
                        seals: `buffers_sha256`/`buffers_bytes` (which tensor file belongs to this
                        JSON) and `doc_sha256` (a checksum of the JSON's own content)
   buffers.safetensors  every tree's precompiled `TreeBuffers`, prefixed `tree{k}.`
@@ -40,7 +42,8 @@ from runtime.io import atomic_write_bytes
 from runtime.tree import Tree, TreeBuffers, TreeError
 
 # 2: adds the seals (buffers_sha256, buffers_bytes, doc_sha256). Version 1 banks had none.
-SCHEMA_VERSION = 2
+# 3: adds `dynamic` (EntMTP-dyn: super-tree, step_ms per size, calibration, replayed figures), or null.
+SCHEMA_VERSION = 3
 BANK_JSON = "bank.json"
 BUFFERS = "buffers.safetensors"
 # Far above any real bank (a 1024-node tree's buffers are ~1 MiB); refuses a runaway file before
@@ -131,6 +134,30 @@ def _check_policies(policies: dict[str, Any], n_trees: int, where: str) -> None:
                             f"refit it or {_REBUILD}") from e
 
 
+DYNAMIC_KEYS = ("super_tree", "step_ms", "calibration")
+
+
+def _dynamic_policy(d: dict[str, Any], where: str, max_depth: int | None = None) -> Any:
+    """The `runtime.dynamic.DynamicPolicy` a bank's `dynamic` entry describes, checked: its
+    super-tree (rank paths), one positive step cost per size and a monotone calibration."""
+    from runtime.dynamic import DynamicPolicy  # lazy, like the policies
+
+    if not isinstance(d, dict) or any(k not in d for k in DYNAMIC_KEYS):
+        raise BankError(f"{where}: 'dynamic' must be an object with {', '.join(DYNAMIC_KEYS)} (EntMTP-dyn), got "
+                        f"{_short(d)}; {_REBUILD}")
+    try:
+        tree = Tree(d["super_tree"])
+        if max_depth is not None and tree.depth > max_depth:
+            raise BankError(f"{where}: EntMTP-dyn's super-tree has depth {tree.depth} but the heads draft only "
+                            f"{max_depth} tokens; use heads with at least {tree.depth} heads, or rebuild the bank for these heads")
+        return DynamicPolicy(tree, d["step_ms"], d["calibration"])
+    except BankError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to rebuild means the stored policy is unusable
+        raise BankError(f"{where}: EntMTP-dyn's dynamic policy is not usable ({type(e).__name__}: {str(e)[:200]}); "
+                        f"{_REBUILD}") from e
+
+
 @dataclass
 class TopologyBank:
     trees: list[Tree]                      # ordered by size (nodes), ascending
@@ -146,6 +173,9 @@ class TopologyBank:
     # throughput, as bank.json's "batch_sizes" holds them (`runtime.schedule`); None for a bank
     # timed at batch size 1 only
     batch_schedule: dict[str, Any] | None = None
+    # EntMTP-dyn (`runtime.dynamic`): {"super_tree": paths, "step_ms": [ms per size 1..N],
+    # "calibration": Calibration dict, plus its replayed figures}; None where the bank has none
+    dynamic: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.buffers:
@@ -154,6 +184,16 @@ class TopologyBank:
     @property
     def max_depth(self) -> int:
         return max(t.depth for t in self.trees)
+
+    def dynamic_policy(self, cache_size: int = 4096) -> Any:
+        """A fresh `runtime.dynamic.DynamicPolicy` (EntMTP-dyn) from the bank's `dynamic` entry, to
+        pass as `choose` to `TreeDecoder.generate`; BankError where the bank has none."""
+        if not self.dynamic:
+            raise BankError(f"bank {self.path or ''} has no EntMTP-dyn policy (built without one, e.g. by an older "
+                            f"pipeline or without head scores); {_REBUILD}")
+        pol = _dynamic_policy(self.dynamic, f"bank {self.path or ''}")
+        pol.cache_size = int(cache_size)
+        return pol
 
     def summary(self) -> str:
         lines = [f"TopologyBank {self.path or ''}".rstrip()]
@@ -168,6 +208,14 @@ class TopologyBank:
             lines.append(f"  [{k}] nodes={t.num_nodes:3d} depth={t.depth} tokens/step={nan if tps is None else tps:.3f} "
                          f"step={nan if ms is None else ms:.1f} ms tok/s={nan if tok_s is None else tok_s:.1f}{star}")
         lines.append(f"  policies: {', '.join(self.policies) or 'none'} (default {self.default_policy})")
+        if self.dynamic:
+            rep = self.dynamic.get("replay") or {}
+            share = rep.get("share_of_oracle")
+            lines.append(f"  EntMTP-dyn: super-tree {len(self.dynamic['super_tree']) + 1} nodes, "
+                         f"calibration {'fitted' if self.dynamic.get('calibration') else 'identity'}, "
+                         f"replayed tokens/step={rep.get('tokens_per_step', nan):.3f} "
+                         f"tok/s={rep.get('tokens_per_second') or nan:.1f}"
+                         + (f" ({100 * share:.0f}% of the oracle)" if share else ""))
         for b, entry in sorted((self.batch_schedule or {}).items(), key=lambda kv: int(kv[0])):
             k, chain, ar = entry.get("best_static"), entry.get("best_chain"), entry.get("ar_tok_per_s")
             tree = "no speculation (AR)" if k is None else (
@@ -208,6 +256,7 @@ class TopologyBank:
         }
         if self.batch_schedule:
             doc["batch_sizes"] = {str(b): v for b, v in self.batch_schedule.items()}
+        doc["dynamic"] = self.dynamic
         # Round trip through JSON first, so the checksum covers exactly what a reader will parse.
         doc = json.loads(json.dumps(doc, default=_json_default))
         doc["doc_sha256"] = _doc_checksum(doc)
@@ -378,6 +427,10 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
         except ScheduleError as e:
             raise BankError(f"{where}: its batch_sizes record is unusable ({e}); {_REBUILD}") from e
 
+    dynamic = doc.get("dynamic")
+    if dynamic is not None:
+        _dynamic_policy(dynamic, where, max_depth)
+
     # The tensors: sealed to this JSON, then parsed and recompiled-and-compared per tree.
     want_sha, want_bytes = doc.get("buffers_sha256"), doc.get("buffers_bytes")
     if not isinstance(want_sha, str) or not _is_number(want_bytes):
@@ -417,4 +470,5 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
         raise BankError(f"{BUFFERS} of {where} holds tensors of no listed tree ({', '.join(extra[:5])}); "
                         f"the bank was assembled from different builds, {_REBUILD}")
     return TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
-                        oracle=doc["oracle"], provenance=doc["provenance"], buffers=buffers, batch_schedule=batch)
+                        oracle=doc["oracle"], provenance=doc["provenance"], buffers=buffers, batch_schedule=batch,
+                        dynamic=dynamic)

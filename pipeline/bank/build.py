@@ -21,7 +21,11 @@ from runtime.tree import Tree  # noqa: E402
 def build_bank(
     out: Path, timing: dict, recal: dict, frontier: dict, rollout_dir: Path, policy_cfg: dict, provenance: dict,
     members: str = "oracle", min_oracle_share: float = 0.02, tie_tolerance: float = 0.0,
+    dynamic: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Write the bank into `out`. `dynamic` (None: no EntMTP-dyn): {"scores_dir": the head scores of
+    the calibration rollout (`pipeline.rollout.load_scores`), "cost_model": the time stage's
+    `StepCostModel`, "calibrate": bool}; EntMTP-dyn is fitted on them (`pipeline.bank.dynamic`)."""
     from pipeline.fit_policy import fit_all_policies
 
     # pruned trees cannot pay for their cost (most were not checked by a timed decode either)
@@ -64,10 +68,18 @@ def build_bank(
         batch = batch_choices(timing["batch"], [kept[k] for k in chosen], [t.num_nodes for t in trees], best,
                               tie_tolerance)
         fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
+    dyn = None
+    if dynamic is not None:
+        from pipeline.bank.dynamic import build_dynamic
+        from pipeline.rollout import load_scores
+
+        dyn = build_dynamic(rollouts, load_scores(dynamic["scores_dir"], rollouts), dynamic["cost_model"],
+                            timing["cost_model"]["reference_context"], fitted["oracle"].get("tokens_per_second"),
+                            calibrate=bool(dynamic.get("calibrate", True)))
     bank = TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
                         oracle=fitted["oracle"], provenance={**provenance, "fit": {n: f.get("replay") for n, f in fitted["policies"].items()},
                                                               "ar_tok_per_s": timing["ar_tok_per_s"]},
-                        batch_schedule=batch)
+                        batch_schedule=batch, dynamic=dyn)
     bank.save(out)
     if batch:
         plot_batch_throughput(trees, batch, out / "batch_throughput.png", provenance)
@@ -77,6 +89,7 @@ def build_bank(
     plot_step_latency(cands, timing["ar_token_ms"], out / "step_latency.png", provenance, set(chosen))
     return {"trees": len(trees), "best_static_nodes": trees[best].num_nodes, "best_static_depth": trees[best].depth,
             "best_tok_per_s": figures[best]["tok_per_s"], "ar_tok_per_s": timing["ar_tok_per_s"],
+            "dynamic_tok_per_s": dyn["replay"]["tokens_per_second"] if dyn else None,
             # what `make bank` prints, kept so an up-to-date run prints it without loading the bank (torch)
             "table": bank.summary().splitlines()[1:]}
 

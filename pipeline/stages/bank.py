@@ -18,6 +18,7 @@ from pipeline.stages import heads as heads_stage
 from pipeline.stages import merge as merge_stage
 from pipeline.stages import model as model_stage
 from pipeline.stages import recalibrate as recalibrate_stage
+from pipeline.stages import rollout_scores
 from pipeline.stages import time as time_stage
 from pipeline.stages.inputs import runtime_key
 from pipeline.stages.rollout import calib_rows
@@ -48,16 +49,20 @@ def output(cfg: DictConfig) -> Path:
     key = {**runtime_key(cfg), **config_key(cfg, READS), "policy": policy_settings(cfg),
            "time": output_digest(time_dir), "recalibrate": output_digest(recal_dir), "grow": output_digest(grow_dir),
            "rollout": output_digest(rollout_dir)}
+    scores_dir = rollout_scores.output(cfg) if rollout_scores.wanted(cfg) else None  # EntMTP-dyn's inputs
+    if scores_dir is not None:
+        key.update({"dynamic": plain(cfg.dynamic), "scores": output_digest(scores_dir)})
 
     def build(tmp: Path) -> dict[str, Any]:
         from pipeline.bank.build import build_bank  # matplotlib: only when the bank is (re)built
 
         rk = runtime_key(cfg)
+        dynamic = None if scores_dir is None else rollout_scores.bank_inputs(cfg, scores_dir, time_dir)
         return build_bank(
             tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
             frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=policy_settings(cfg),
             members=str(cfg.bank.members), min_oracle_share=float(cfg.bank.min_oracle_share),
-            tie_tolerance=float(cfg.bank.tie_tolerance),
+            tie_tolerance=float(cfg.bank.tie_tolerance), dynamic=dynamic,
             provenance={
                 "task": lay.task, "model_name": lay.model_name, "heads_name": lay.heads_name,
                 "sampling": plain(cfg.sampling),

@@ -1,5 +1,6 @@
 """rollout: one shard of the calibration rollout — AR greedy continuations of the first
-`profile.calib_prompts` calibration prompts, with every step's rank path."""
+`profile.calib_prompts` calibration prompts, with every step's rank path (EntMTP-dyn's head
+scores of the merged rollout: `pipeline.stages.rollout_scores`)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,4 @@ def output(cfg: DictConfig) -> Path:
                            desc=f"rollout {cfg.task.name} shard {shard}/{n}", sampler=sampler_from_cfg(cfg.sampling))
 
     return run_stage("rollout", out, key, build, force=forced(cfg, "rollout"))
+

@@ -1,0 +1,89 @@
+"""EntMTP-dyn in the bank: which super-trees are scored, what a dynamic step costs, and the fit.
+
+A DynamicPolicy (`runtime.dynamic`) drafts its whole super-tree S every step and verifies the n
+nodes it picks, so a step verifying n nodes costs draft(S) + verify(n) + fixed (the time stage's
+`StepCostModel`, at the bank's reference context). Candidate super-trees are the grow frontier's
+trees at its deepest max depth and the sizes `dynamic.super_sizes` (draft nodes), at most
+MAX_SUPER_NODES nodes (a subset is keyed by a bitmask in one int64) and no more rows than the cost
+model measured (past them its verify cost is only extrapolated). The calibration rollout is scored
+for every candidate (`pipeline.rollout.score_prompt`), and `pipeline.fit_policy.fit_dynamic` keeps
+the candidate and calibration with the best replayed tokens per second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from runtime.tree import Tree
+
+# the format of the head scores (`pipeline.rollout.save_scores`); a reader refuses any other, and
+# the scores' stage key holds it, so scores of another format are rebuilt (no torch here: an
+# up-to-date check must not import it)
+SCORES_FORMAT = 1
+
+
+def super_tree_candidates(frontier: dict[str, Any], sizes: Sequence[int], num_heads: int,
+                          max_nodes: int | None = None) -> list[Tree]:
+    """The frontier trees (`grow`'s frontier.json) at the deepest max depth the heads can draft,
+    one per size in `sizes` (draft nodes; a size past the frontier takes its largest tree), at most
+    `max_nodes` nodes with the root (default MAX_SUPER_NODES), distinct, ordered by size."""
+    from runtime.dynamic import MAX_SUPER_NODES
+    from runtime.tree import Tree
+
+    max_nodes = MAX_SUPER_NODES if max_nodes is None else max_nodes
+    depths = sorted(int(d) for d in frontier.get("frontier", {}) if int(d) <= num_heads)
+    if not depths:
+        raise ValueError(f"the grow frontier has no tree the heads ({num_heads} draft tokens) can draft")
+    entries = frontier["frontier"][str(depths[-1])]
+    by_size = {len(e["paths"]): e["paths"] for e in entries if 0 < len(e["paths"]) < max_nodes}
+    if not by_size:
+        raise ValueError(f"the grow frontier has no tree of 1..{max_nodes - 1} draft nodes for a super-tree")
+    out: list[Tree] = []
+    for s in sorted(int(x) for x in sizes):
+        fits = [n for n in by_size if n <= s]
+        if not fits:
+            continue
+        t = Tree(by_size[max(fits)])
+        if t not in out:
+            out.append(t)
+    return sorted(out, key=lambda t: t.num_nodes)
+
+
+def dynamic_step_ms(cost_model: Any, super_tree: Tree, context: float) -> list[float]:
+    """ms of a dynamic step verifying n = 1..N nodes of `super_tree` (N nodes): the whole super-tree
+    drafted, n rows verified, the fixed part at n nodes and the depth an n-node subset reaches at
+    most; draft and verify scaled by the model's `in_situ` factor, as `StepCostModel.predict` does."""
+    draft = cost_model.draft(super_tree)
+    out = []
+    for n in range(1, super_tree.num_nodes + 1):
+        depth = min(n - 1, super_tree.depth)
+        out.append(cost_model.in_situ * (draft + cost_model.verify(n, context)) + cost_model.fixed(depth, n))
+    return out
+
+
+def cost_rows_limit(cost_model: Any) -> int:
+    """The most nodes a super-tree may have under this cost model: its largest measured row count."""
+    return int(max(cost_model.verify_rows))
+
+
+def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any, context: float,
+                  oracle_tok_per_s: float | None, rank_cap: int | None = None, calibrate: bool = True) -> dict[str, Any] | None:
+    """The bank's `dynamic` entry: `fit_dynamic` over the scored candidates (`pipeline.rollout.
+    load_scores`) that the cost model covers, with the replayed share of the bank's oracle; None
+    when no candidate is left."""
+    from pipeline.fit_policy import fit_dynamic
+    from runtime.dynamic import MAX_SUPER_NODES
+    from runtime.tree import Tree
+
+    limit = min(cost_rows_limit(cost_model), MAX_SUPER_NODES)
+    keep = [s for s, paths in enumerate(scores["super_trees"]) if len(paths) + 1 <= limit]
+    if not keep:
+        return None
+    fitted = fit_dynamic(rollouts, [Tree(scores["super_trees"][s]) for s in keep], [scores["scores"][s] for s in keep],
+                         lambda t: dynamic_step_ms(cost_model, t, context), rank_cap=rank_cap, calibrate=calibrate)
+    tps = fitted["replay"]["tokens_per_second"]
+    fitted["replay"]["share_of_oracle"] = tps / oracle_tok_per_s if oracle_tok_per_s and tps else None
+    fitted["context"] = float(context)
+    return fitted

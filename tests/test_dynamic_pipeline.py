@@ -1,0 +1,273 @@
+"""EntMTP-dyn in the offline pipeline: the rollout's head scores are the decoder's, the replay of
+a DynamicPolicy equals real decodes step by step, the calibration fit is monotone, the bank stores
+and reloads the policy, and the evaluation has its row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.bank.dynamic import build_dynamic, dynamic_step_ms, super_tree_candidates
+from pipeline.fit_policy import calibration_samples, fit_calibration, fit_dynamic
+from pipeline.replay import compare_dynamic_steps, replay_dynamic
+from pipeline.rollout import SCORES_META, load_scores, rollout_prompt, save_scores, score_prompt
+from runtime.bank import BankError, TopologyBank
+from runtime.decoder import TreeDecoder
+from runtime.dynamic import DYNAMIC_TREE, Calibration, DynamicPolicy
+from runtime.tree import Tree, TreeBuffers
+from tests.helpers import make_bank, tiny_heads, torch_threads
+from tests.test_dynamic import ARITHMETICS, GENTLE, SUPER, _model, _prompts
+
+K = 10        # rank cap of the tiny rollouts
+NEW = 30      # new tokens per prompt
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with torch_threads(1):
+        yield
+
+
+def _rollouts(model, heads, prompts: list[list[int]], trees: list[Tree]) -> tuple[list[dict], list[list[np.ndarray]]]:
+    """Rollouts of `prompts` and their head scores on `trees` (per tree, per prompt)."""
+    rolls, scores = [], [[] for _ in trees]
+    bufs = [TreeBuffers.compile(t) for t in trees]
+    for n, ids in enumerate(prompts):
+        ro = rollout_prompt(model, heads, ids, NEW, K)
+        ro["id"], ro["rank_cap"] = f"p{n}", K
+        rolls.append(ro)
+        for s, sc in enumerate(score_prompt(model, heads, ids, ro["tokens"], bufs)):
+            scores[s].append(sc)
+    return rolls, scores
+
+
+def _real_decodes(model, heads, prompts: list[list[int]], policy: DynamicPolicy) -> list:
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(Tree([]))])
+    return [dec.generate(ids, NEW, choose=policy) for ids in prompts]
+
+
+# --- the rollout's scores -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+@pytest.mark.parametrize("kind", ["hydra", "medusa"])
+def test_scores_are_the_probabilities_a_decode_sees(arithmetic: str, kind: str) -> None:
+    """Every step of a real dynamic decode drafts its super-tree with exactly the probabilities
+    that `score_prompt` stored for that step index (bit for bit)."""
+    model = _model(arithmetic)
+    heads = tiny_heads(model, kind)
+    seen: list[torch.Tensor] = []
+    scored = heads.propose_scored
+
+    def spy(h, root, buf):  # noqa: ANN001, ANN202
+        tokens, prob = scored(h, root, buf)
+        seen.append(prob.clone())
+        return tokens, prob
+
+    steps = 0
+    for ids in _prompts(4):
+        seen.clear()
+        heads.propose_scored = spy
+        res = _real_decodes(model, heads, [ids], DynamicPolicy(SUPER, GENTLE))[0]
+        heads.propose_scored = scored
+        (sc,) = score_prompt(model, heads, ids, res.tokens, [TreeBuffers.compile(SUPER)])
+        assert sc.dtype == np.float32 and sc.shape == (len(res.tokens), SUPER.num_nodes - 1)
+        i = 0
+        for step, prob in zip(res.steps, seen):
+            assert np.array_equal(prob[1:].numpy(), sc[i]), (kind, i)
+            i += step.accepted + 1
+            steps += 1
+    assert steps > 20
+
+
+def test_scores_round_trip_and_refuse_another_rollout(tmp_path: Path) -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    small = Tree([(0,), (1,), (0, 0)])
+    rolls, scores = _rollouts(model, heads, _prompts(3), [SUPER, small])
+    save_scores(tmp_path, [r["id"] for r in rolls], [list(SUPER.paths), list(small.paths)],
+                [[scores[0][n], scores[1][n]] for n in range(len(rolls))], "digest")
+    got = load_scores(tmp_path, rolls)
+    assert got["super_trees"] == [list(SUPER.paths), list(small.paths)] and got["rollout"] == "digest"
+    for s in range(2):
+        for a, b in zip(got["scores"][s], scores[s]):
+            assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="belong to another rollout"):
+        load_scores(tmp_path, rolls[:2])
+    meta = json.loads((tmp_path / SCORES_META).read_text())
+    (tmp_path / SCORES_META).write_text(json.dumps({**meta, "format": 0}))
+    with pytest.raises(ValueError, match="format 0, this code reads 1"):
+        load_scores(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no head scores"):
+        load_scores(tmp_path / "missing")
+
+
+# --- replay == real decodes -------------------------------------------------------------------------
+
+
+CALS = {"identity": Calibration(),
+        "per-depth": Calibration(xs=[[0.0, 0.5, 1.0], [0.0, 0.2, 1.0]], ys=[[0.0, 0.1, 0.6], [0.0, 0.02, 0.3]])}
+
+
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+@pytest.mark.parametrize("cal", list(CALS))
+def test_replay_equals_real_decodes_step_by_step(arithmetic: str, cal: str) -> None:
+    """Recalibrate's check for EntMTP-dyn: on every step of real decodes, the replay from the rank
+    paths and head scores visits the same step index, picks a subset of the same size and accepts
+    the same length; tokens per step agree in total."""
+    model = _model(arithmetic)
+    heads = tiny_heads(model, "hydra")
+    prompts = _prompts(5, seed=1)
+    rolls, (scores,) = _rollouts(model, heads, prompts, [SUPER])
+    policy = DynamicPolicy(SUPER, GENTLE, CALS[cal])
+    replay = replay_dynamic(rolls, scores, policy)
+    real = _real_decodes(model, heads, prompts, policy)
+    compared = 0
+    sizes = set()
+    for n, (ro, res) in enumerate(zip(rolls, real)):
+        assert res.tokens == ro["tokens"].tolist()
+        assert all(s.tree == DYNAMIC_TREE for s in res.steps)
+        cmp = compare_dynamic_steps(replay, n, [s.accepted for s in res.steps], [s.nodes for s in res.steps],
+                                    len(ro["tokens"]))
+        assert cmp["disagreements"] == [] and cmp["steps_agree"] == cmp["steps_compared"] == len(res.steps)
+        compared += cmp["steps_compared"]
+        sizes.update(s.nodes for s in res.steps)
+    assert replay.steps == sum(len(r.steps) for r in real) == compared
+    assert replay.tokens_per_step == pytest.approx(sum(len(r.tokens) - 1 for r in real) / compared)
+    assert len(sizes) >= 2, f"every step verified {sizes} nodes: the test exercised little"
+    # modeled time: one cost per step, by its size
+    want = sum(GENTLE[s.nodes - 1] for r in real for s in r.steps) / 1000
+    assert replay.time_s == pytest.approx(want)
+
+
+def test_replay_refuses_scores_of_another_shape() -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    rolls, (scores,) = _rollouts(model, heads, _prompts(1), [SUPER])
+    with pytest.raises(ValueError, match="float32"):
+        replay_dynamic(rolls, [scores[0][:, :3]], DynamicPolicy(SUPER, GENTLE))
+    with pytest.raises(ValueError, match="head scores for 2 prompts"):
+        replay_dynamic(rolls, scores * 2, DynamicPolicy(SUPER, GENTLE))
+
+
+# --- the calibration fit -----------------------------------------------------------------------------
+
+
+def test_fit_calibration_is_monotone_and_follows_the_observed_rates() -> None:
+    g = np.random.default_rng(0)
+    values = g.random(20000)
+    depths = g.integers(1, 4, size=values.size)
+    # acceptance rate: depth 1 well calibrated, depth 2 over-confident (half the value), depth 3 noisy
+    rate = np.where(depths == 1, values, np.where(depths == 2, values / 2, np.clip(values + 0.3 * g.standard_normal(values.size), 0, 1)))
+    accepted = g.random(values.size) < rate
+    fit = fit_calibration(values, depths, accepted, max_depth=4, bins=10)
+    cal = Calibration.from_dict(fit)  # the runtime's own checks: knots increasing in [0, 1], values non-decreasing
+    assert len(cal.xs) == 4
+    assert cal.xs[3] == [0.0, 1.0] and cal.ys[3] == [0.0, 1.0]   # no samples at depth 4: the identity
+    for d in range(3):
+        assert all(b >= a for a, b in zip(cal.ys[d], cal.ys[d][1:]))
+    x = torch.tensor([0.2, 0.8])
+    at = lambda d: cal(x, torch.full((2,), d), 4).tolist()  # noqa: E731
+    assert at(1) == pytest.approx([0.2, 0.8], abs=0.06)
+    assert at(2) == pytest.approx([0.1, 0.4], abs=0.06)
+
+
+def test_calibration_samples_count_every_node_at_every_step() -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    rolls, (scores,) = _rollouts(model, heads, _prompts(3, seed=2), [SUPER])
+    v, d, a = calibration_samples(rolls, scores, SUPER)
+    steps = sum(len(r["tokens"]) - 1 for r in rolls)
+    assert v.shape == d.shape == a.shape == (steps * (SUPER.num_nodes - 1),)
+    assert ((v >= 0) & (v <= 1)).all() and set(d.tolist()) <= {1, 2, 3, 4}
+    # an accepted node's value counts; accepted depth-1 nodes = steps whose rank path starts in the tree
+    first = {p[0] for p in SUPER.paths if len(p) == 1}
+    want = sum(int(r["rank_paths"][i, 0]) in first for r in rolls for i in range(len(r["tokens"]) - 1))
+    assert int(a[d == 1].sum()) == want
+    fit = fit_calibration(v, d, a, SUPER.depth, min_samples=10)
+    Calibration.from_dict(fit)
+
+
+def test_fit_dynamic_keeps_the_fastest_candidate() -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    small = Tree([(0,), (1,), (0, 0)])
+    rolls, scores = _rollouts(model, heads, _prompts(4, seed=3), [small, SUPER])
+    cost = lambda t: [1.0 + 0.02 * k for k in range(t.num_nodes)]  # noqa: E731
+    fit = fit_dynamic(rolls, [small, SUPER], scores, cost)
+    assert len(fit["candidates"]) == 4   # two trees, identity and fitted calibration each
+    best = max(c["tokens_per_second"] for c in fit["candidates"])
+    assert fit["replay"]["tokens_per_second"] == pytest.approx(best)
+    pol = DynamicPolicy(Tree(fit["super_tree"]), fit["step_ms"], fit["calibration"])
+    s = [Tree(fit["super_tree"])] == [small]
+    again = replay_dynamic(rolls, scores[0 if s else 1], pol)
+    assert again.tokens_per_second == pytest.approx(best)
+
+
+# --- the bank -------------------------------------------------------------------------------------
+
+
+class _Costs:
+    """A stand-in for the time stage's StepCostModel with its interface (draft, verify, fixed)."""
+
+    in_situ = 1.0
+    verify_rows = [1, 2, 4, 8, 16, 32, 64]
+
+    def draft(self, tree: Tree) -> float:
+        return 0.1 * tree.depth
+
+    def verify(self, rows: int, context: float) -> float:
+        return 10.0 + 0.5 * rows + 0.001 * context
+
+    def fixed(self, depth: int, nodes: int) -> float:
+        return 0.3 + 0.01 * depth + 0.01 * nodes
+
+
+def test_step_ms_and_candidates() -> None:
+    ms = dynamic_step_ms(_Costs(), SUPER, 100.0)
+    assert len(ms) == SUPER.num_nodes and all(b > a for a, b in zip(ms, ms[1:]))
+    assert ms[0] == pytest.approx(0.4 + 10.0 + 0.5 + 0.1 + 0.3 + 0.01)
+    frontier = {"frontier": {"2": [{"paths": [[0]]}, {"paths": [[0], [1]]}],
+                             "3": [{"paths": [[0]]}, {"paths": [[0], [0, 0]]}, {"paths": [[0], [0, 0], [0, 0, 0]]}]}}
+    got = super_tree_candidates(frontier, [1, 2, 8], num_heads=4)
+    assert [t.num_nodes for t in got] == [2, 3, 4]
+    assert [t.num_nodes for t in super_tree_candidates(frontier, [2], num_heads=2)] == [3]
+    with pytest.raises(ValueError, match="no tree the heads"):
+        super_tree_candidates(frontier, [2], num_heads=1)
+
+
+def test_bank_round_trip_with_the_dynamic_policy(tmp_path: Path) -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    rolls, (scores,) = _rollouts(model, heads, _prompts(3), [SUPER])
+    dyn = build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, _Costs(), 100.0,
+                        oracle_tok_per_s=200.0)
+    assert dyn is not None and dyn["replay"]["share_of_oracle"] == pytest.approx(dyn["replay"]["tokens_per_second"] / 200)
+    bank = make_bank()
+    bank.dynamic = dyn
+    bank.save(tmp_path / "bank")
+    back = TopologyBank.load(tmp_path / "bank", max_depth=4)
+    assert back.dynamic == json.loads(json.dumps(dyn))
+    pol = back.dynamic_policy()
+    assert pol.super_tree.to_tree() == SUPER and pol.step_ms == pytest.approx(dyn["step_ms"])
+    assert "EntMTP-dyn: super-tree 16 nodes" in back.summary()
+    # the reloaded policy replays as the fitted one
+    assert replay_dynamic(rolls, scores, pol).tokens_per_second == pytest.approx(dyn["replay"]["tokens_per_second"])
+    with pytest.raises(BankError, match="depth 4 but the heads draft only 2"):
+        TopologyBank.load(tmp_path / "bank", max_depth=2)
+    # a damaged entry is refused on save (and so never written)
+    bank.dynamic = {**dyn, "step_ms": dyn["step_ms"][:-1]}
+    with pytest.raises(BankError, match="dynamic policy is not usable"):
+        bank.save(tmp_path / "bad")
+    bank.dynamic = None
+    bank.save(tmp_path / "none")
+    with pytest.raises(BankError, match="no EntMTP-dyn policy"):
+        TopologyBank.load(tmp_path / "none").dynamic_policy()
+    # a super-tree the cost model never measured that large leaves no candidate
+    small = _Costs()
+    small.verify_rows = [1, 8]
+    assert build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, small, 100.0, None) is None
