@@ -542,13 +542,15 @@ def batch_methods(model, hydra, bank, sampler=None, acceptance="exact") -> tuple
 
 
 def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_sizes: list[int], sampler=None,
-                    acceptance="exact", desc: str = "evaluate batches") -> tuple[pd.DataFrame, dict[tuple[str, int], list[dict]]]:
+                    acceptance="exact", desc: str = "evaluate batches",
+                    repeats: int = 1) -> tuple[pd.DataFrame, dict[tuple[str, int], list[dict]]]:
     """Decode the prompts of `rows` ({"id", "input_ids"}) at each batch size B of `batch_sizes`: in
     groups of B (in order; the last group holds the rest), every group by every method of
-    `batch_methods` in turn (interleaved, so drift of the machine hits all alike), each group's wall
-    time taken with `runtime.device.clock` (prefill included) and its prefills' time. Every
-    sequence's tokens are checked against that prompt's single-sequence AR output (`ar_generate`,
-    once per prompt).
+    `batch_methods` in turn (interleaved, so drift of the machine hits all alike), `repeats` rounds
+    of that, each group's wall time (`runtime.device.clock`, prefill included) and its prefills'
+    time taken as the median over the rounds (a shared machine's stalls last seconds: one short run
+    per group can be off by 10%). Every sequence's tokens, in every round, are checked against
+    that prompt's single-sequence AR output (`ar_generate`, once per prompt).
 
     Returns the table (one row per method x B: batch throughput = new tokens of all sequences /
     summed group wall time, and decode throughput = the tokens after each sequence's first / that
@@ -564,6 +566,8 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
         raise ValueError("no prompts for the batched evaluation")
     if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
         raise ValueError(f"batch sizes must be distinct ints >= 1, got {list(batch_sizes)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if max(sizes) > len(rows):
         raise ValueError(f"batch size {max(sizes)} needs at least as many prompts, got {len(rows)}")
     if model.invariant_rows is None and not model.kernel_decode:
@@ -583,14 +587,22 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
     groups = [(b, i) for b in sizes for i in range(0, len(prompts), b)]
     for b, i in tqdm(groups, desc=desc, unit="group"):
         group = prompts[i:i + b]
+        runs: dict[str, list[tuple[float, float]]] = {m: [] for m in names}
+        for r in range(repeats):
+            for m in names:
+                t0 = clock(dev)
+                toks, steps, words, pre = methods[m](group, n_new, b)
+                runs[m].append((clock(dev) - t0, pre))
+                used[m, b] = words
+                for j, (t, s) in enumerate(zip(toks, steps)):
+                    if r == 0:
+                        recs[m, b].append({"id": rows[i + j]["id"], "tokens": t, "steps": s,
+                                           "identical": t == reference[i + j]})
+                    else:
+                        recs[m, b][i + j]["identical"] &= t == reference[i + j]
         for m in names:
-            t0 = clock(dev)
-            toks, steps, words, pre = methods[m](group, n_new, b)
-            seconds[m, b] += clock(dev) - t0
-            prefill[m, b] += pre
-            used[m, b] = words
-            for j, (t, s) in enumerate(zip(toks, steps)):
-                recs[m, b].append({"id": rows[i + j]["id"], "tokens": t, "steps": s, "identical": t == reference[i + j]})
+            seconds[m, b] += statistics.median(t for t, _ in runs[m])
+            prefill[m, b] += statistics.median(p for _, p in runs[m])
     out = []
     for b in sizes:
         for m in names:
@@ -629,7 +641,8 @@ def batch_table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str, meaning:
     head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, {how}, batch sizes "
             f"{', '.join(map(str, sizes))}, {dtype}, {where}, {prompts} eval prompts x "
             f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n"
-            "tok/s: new tokens of all sequences / summed wall time of their groups (prefill included); decode "
+            "tok/s: new tokens of all sequences / summed wall time of their groups (prefill included; each "
+            f"group's time the median of {int(cfg.evaluate.get('batch_repeats', 1))} interleaved rounds); decode "
             "tok/s: the tokens after each sequence's first / that time less the prompts' prefills; x batched "
             "AR: against AR (batched) at the same batch size; identical: sequences token-identical to that "
             "prompt decoded alone by AR.\n\n")
@@ -681,7 +694,7 @@ def evaluate_batches(cfg: DictConfig, out: Path, model, hydra, bank, rows: list[
     batch_table.md and batch_throughput.png; returns the table's rows."""
     sizes = [int(b) for b in cfg.evaluate.batch_sizes]
     df, _ = compare_batches(model, hydra, bank, rows, int(cfg.evaluate.max_new_tokens), sizes, sampler, acceptance,
-                            desc=f"evaluate {cfg.task.name} batches")
+                            desc=f"evaluate {cfg.task.name} batches", repeats=int(cfg.evaluate.get("batch_repeats", 1)))
     table = batch_table_markdown(df, cfg, str(model.dtype).removeprefix("torch."), df.attrs.get("meaning"),
                                  str(model.device))
     atomic_write_bytes(out / "batch_table.csv", df.to_csv(index=False).encode())

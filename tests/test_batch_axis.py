@@ -87,6 +87,13 @@ def test_the_best_tree_shrinks_as_the_batch_grows_and_ar_takes_over() -> None:
     assert choices["2"]["best_static"] == 1       # a smaller tree pays at batch 2
     assert choices["8"]["best_static"] is None    # nothing beats AR at batch 8: no speculation
     assert choices["8"]["best_chain"] is None and choices["2"]["best_chain"]["depth"] == 1
+    # a modeled gain within the model's measured error at that batch size is no promise: AR there
+    gain = choices["2"]["tok_per_s"][1] / record["per_batch"]["2"]["ar_tok_per_s"] - 1
+    for err, speculates in ((100 * gain - 1, True), (100 * gain + 1, False)):
+        record["per_batch"]["2"]["trees"][0]["model_error_pct"] = -err
+        again = batch_choices(record, [0, 1, 2], [1, 2, 9], best_static=2, tolerance=0.02)
+        assert (again["2"]["best_static"] is not None) == speculates
+        assert (again["2"]["best_chain"] is not None) == speculates
 
 
 def test_a_bank_keeps_its_batch_record_and_refuses_a_damaged_one(tmp_path) -> None:  # noqa: ANN001

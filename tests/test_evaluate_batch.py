@@ -96,7 +96,8 @@ def test_evaluate_batches_writes_the_table_and_plot(bundle, runtime, tmp_path) -
     model, heads, rows = runtime
     cfg = OmegaConf.create({"task": {"name": "tiny"}, "model": {"name": "tiny-llama"}, "heads": {"name": "hydra"},
                             "sampling": {"temperature": 0.0}, "acceptance": {"kind": "exact"},
-                            "evaluate": {"max_new_tokens": N_NEW, "batch_sizes": SIZES, "batch_prompts": 8}})
+                            "evaluate": {"max_new_tokens": N_NEW, "batch_sizes": SIZES, "batch_prompts": 8,
+                                         "batch_repeats": 2}})
     out = evaluate_batches(cfg, tmp_path, model, heads, _bank(bundle), rows)
     assert len(out) == 4 * len(SIZES) and all(r["identical"] == r["compared"] == 3 for r in out)
     for name in ("batch_table.csv", "batch_table.md", "batch_throughput.png"):
@@ -104,6 +105,7 @@ def test_evaluate_batches_writes_the_table_and_plot(bundle, runtime, tmp_path) -
     md = (tmp_path / "batch_table.md").read_text()
     assert md.startswith("### tiny: tiny-llama + hydra heads, greedy, batch sizes 1, 2, 3")
     assert md.count("| 3/3 |") == 4 * len(SIZES) and PER_BATCH_NO_AXIS in md
+    assert "median of 2 interleaved rounds" in md
 
 
 def test_batch_sizes_beyond_the_prompts_are_refused(bundle, runtime) -> None:  # noqa: ANN001

@@ -60,16 +60,22 @@ def batch_choices(batch: dict[str, Any], members: list[int], nodes: list[int], b
     batch axis: at each batch size, every bank tree's modeled batched step and batch tok/s
     (`members`: the bank trees' indices among the timed candidates; `nodes`: their sizes), the
     best tree (the smallest within `tolerance` of the fastest; none where that is the root alone
-    or no faster than AR: no speculation at that batch size; batch 1 keeps the bank's
-    `best_static`), the best chain likewise, and AR's step."""
+    or not faster than AR by more than the model's error at that batch size: no speculation
+    there; batch 1 keeps the bank's `best_static`), the best chain likewise, and AR's step.
+
+    The model's error at a batch size is the largest |model - timed| of its checked trees
+    (`model_error_pct`): a modeled gain smaller than that is not one the bank can promise, and
+    AR is never slower than AR."""
     out: dict[str, dict[str, Any]] = {}
     for b, entry in sorted(batch["per_batch"].items(), key=lambda kv: int(kv[0])):
         rows = [entry["trees"][i] for i in members]
         tok = [r["tok_per_s"] for r in rows]
+        errors = [abs(r["model_error_pct"]) for r in entry["trees"] if "model_error_pct" in r]
+        floor = entry["ar_tok_per_s"] * (1 + (max(errors) / 100 if errors and int(b) > 1 else 0.0))
         k = best_static if int(b) == 1 else smallest_near_best(tok, tolerance)
-        if nodes[k] == 1 or tok[k] <= entry["ar_tok_per_s"]:
+        if nodes[k] == 1 or tok[k] <= floor:
             k = None
-        chains = [c for c in entry.get("chains", []) if c["tok_per_s"] > entry["ar_tok_per_s"]]
+        chains = [c for c in entry.get("chains", []) if c["tok_per_s"] > floor]
         chain = max(chains, key=lambda c: c["tok_per_s"]) if chains else None
         out[b] = {"best_static": k, "best_chain": chain and {key: chain[key] for key in
                                                              ("depth", "tokens_per_step", "step_ms", "tok_per_s")},

@@ -125,23 +125,28 @@ def batch_tokens_per_second(batch: int, tokens_per_step: float, step_s: float, p
 @torch.inference_mode()
 def check_batch_steps(decoder: TreeDecoder, prompt: list[int], trees: Sequence[int], batch_sizes: Sequence[int],
                       new_tokens: int, sampler: Sampler | None, now: Callable[[], float],
-                      progress: Callable[[], None] | None = None, warmup_steps: int = 2) -> dict[tuple[int, int], float]:
-    """Median seconds of a batched step, per (tree index, batch size): `generate_batch` of B copies of
-    `prompt` (identical sequences accept alike, so the batch stays whole to the end), its first
-    `warmup_steps` steps dropped. A median, so that one stall of a shared machine does not count.
+                      progress: Callable[[], None] | None = None, warmup_steps: int = 2,
+                      passes: int = 1) -> list[dict[tuple[int, int], float]]:
+    """Median seconds of a batched step, per (tree index, batch size), once per pass:
+    `generate_batch` of B copies of `prompt` (identical sequences accept alike, so the batch stays
+    whole to the end), its first `warmup_steps` steps dropped. A median, so that one stall of a
+    shared machine does not count. The passes' decodes of one (tree, batch size) run back to back,
+    so that a slow phase of the machine falls on all of them rather than on one pass.
     Raw wall time: a batched step is partly compute-bound, and a shared machine's slow phases (memory
     bandwidth taken by its neighbours) slow it less than the one-row forward of a phase probe, so
     scaling it by one would over-correct."""
-    out: dict[tuple[int, int], float] = {}
+    out: list[dict[tuple[int, int], float]] = [{} for _ in range(passes)]
     decoder.generate_batch([prompt], 4, choose=trees[0], sampler=sampler)  # warm-up
     for b in batch_sizes:
         for k in trees:
-            marks = [now()]
-            decoder.generate_batch([prompt] * b, new_tokens, choose=k, sampler=sampler, on_step=lambda: marks.append(now()))
-            steps = [y - x for x, y in zip(marks[1:], marks[2:])]
-            out[(k, b)] = statistics.median(steps[warmup_steps:] or steps or [marks[-1] - marks[0]])
-            if progress:
-                progress()
+            for timed in out:
+                marks = [now()]
+                decoder.generate_batch([prompt] * b, new_tokens, choose=k, sampler=sampler,
+                                       on_step=lambda: marks.append(now()))
+                steps = [y - x for x, y in zip(marks[1:], marks[2:])]
+                timed[(k, b)] = statistics.median(steps[warmup_steps:] or steps or [marks[-1] - marks[0]])
+                if progress:
+                    progress()
     return out
 
 
@@ -183,17 +188,16 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     model.batch_verify_ratio = batch_table(ratios, sizes, model.verify_rows)
     model.batch_in_situ = []
     larger = [b for b in sizes if b > 1]
-    check_ctx = len(prompt) + check_tokens / 2
-    # calibration pass: batched decodes of every timed tree set each batch size's in-situ factor
-    # (the median over trees of timed over modeled step); a second pass checks the calibrated model
-    calib = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress)
+    check_ctx = len(prompt) + check_tokens / 2  # the context of a batched decode of `prompt`: compare there
+    # calibration pass: batched decodes of every timed tree set the in-situ factors (timed over
+    # modeled step, by batch size and tree size); a second pass, each decode right after its
+    # calibration twin, checks the calibrated model
+    calib, measured = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress,
+                                        passes=2)
     model.batch_in_situ = [[1.0] * len(model.verify_rows)] + [
         in_situ_row(model.verify_rows, {k: 1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
                                         for k in timed}, [trees[k].num_nodes for k in range(len(trees))])
         for b in larger]
-    measured = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress)
-    # a batched decode runs at the context its prompt gives: the check compares at that context
-    check_ctx = len(prompt) + check_tokens / 2
     out = batch_entries(model, trees, tokens_per_step, {}, context, prefill_s, new_tokens)
     checked = batch_entries(model, trees, tokens_per_step, measured, check_ctx, prefill_s, new_tokens)
     for b, entry in out["per_batch"].items():
