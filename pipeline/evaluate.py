@@ -48,7 +48,9 @@ def _spec_method(decoder, choose, sampler=None) -> Decode:
         r = decoder.generate(ids, n, choose=choose if isinstance(choose, int) else choose(), sampler=sampler)
         return {"tokens": r.tokens, "prefill_s": r.prefill_seconds, "decode_s": r.decode_seconds, "steps": len(r.steps),
                 "trees": [s.tree for s in r.steps], "signals": [s.signal for s in r.steps],
-                "accepted": [s.accepted for s in r.steps]}
+                "accepted": [s.accepted for s in r.steps],
+                # nodes verified per step: a dynamic step's tree is no bank index (tree == DYNAMIC_TREE)
+                "nodes": [s.nodes for s in r.steps]}
     return run
 
 
@@ -229,12 +231,19 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec:
     atomic_write_bytes(out / "table.md", table.encode())
     atomic_write_json(out / "traces.json", {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in recs.items()})
     plot_methods(df, out / "methods.png", cfg.task.name)
-    dyn = [label for label in POLICY_LABELS.values() if label in recs]
+    dyn = [label for label in (DYNAMIC_LABEL, *POLICY_LABELS.values()) if label in recs]
     if dyn:
         plot_schedule(recs[dyn[0]][0], bank, out / "schedule.png", dyn[0])
+    check = df.attrs.get("dynamic_check")
+    if check is not None:
+        atomic_write_json(out / "dynamic_check.json", check)
+        log.info("%s", f"[evaluate] EntMTP-dyn replay vs real decodes: {check['steps_agree']} of "
+                       f"{check['steps_compared']} steps agree")
     log.info("%s", table)
     oracle_dec = df.loc[df.method == "oracle (replayed)", "decode_tok_per_s"].item()
     summary = {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}
+    if check is not None:
+        summary["dynamic_check"] = {k: check[k] for k in ("steps_compared", "steps_agree", "prompts_compared")}
     if sizes:
         summary["batch_table"] = evaluate_batches(cfg, out, model, hydra, bank, batch_rows, sampler,
                                                   acceptance_from_cfg(cfg.acceptance))
@@ -242,6 +251,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec:
 
 
 POLICY_LABELS = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
+DYNAMIC_LABEL = "EntMTP-dyn"
 
 
 def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: int, sampler=None, medusa=None,
@@ -255,8 +265,8 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
     On a row-invariant model (`lossless: exact`) AR is also timed in the ordinary arithmetic, the
     speed that invariance is paid against."""
     from pipeline.evaluate_sampling import distribution_columns, typical_decoders
-    from pipeline.replay import accept_lengths, oracle_schedule
-    from pipeline.rollout import rollout_prompt
+    from pipeline.replay import accept_lengths, oracle_schedule, replay_dynamic
+    from pipeline.rollout import rollout_prompt, score_prompt
     from runtime.decoder import TreeDecoder
     from runtime.policy import Scheduler, policy_from_dict
     from runtime.sampling import Sampler
@@ -279,6 +289,10 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
         if name in bank.policies:
             pol = bank.policies[name]
             methods[label] = _spec_method(bank_dec, lambda pol=pol: Scheduler(policy_from_dict(pol), len(bank.trees)), sampler)
+    dynamic = bank.dynamic_policy() if bank.dynamic else None
+    if dynamic is not None:
+        # one policy for every prompt, as a server keeps it: its subset cache stays warm
+        methods[DYNAMIC_LABEL] = _spec_method(bank_dec, lambda: dynamic, sampler)
     if not sampler.greedy:
         for label, dec in typical_decoders(model, hydra, mc, bank.buffers[bank.best_static], sampler.config).items():
             methods[label] = _spec_method(dec, 0)  # typical acceptance draws with its own temperature
@@ -297,10 +311,12 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
     costs = [f["step_ms"] / 1000 for f in bank.figures]
     oracle_time, oracle_tokens, oracle_steps = 0.0, 0, 0
     ar_tokens = {r["id"]: r["tokens"] for r in recs["AR"]}
-    rollouts = []
+    rollouts, dyn_scores = [], []
     for row in rows:
         ro = rollout_prompt(model, hydra, row["input_ids"], n_new, rank_cap, sampler=sampler)
         rollouts.append(ro)
+        if dynamic is not None:  # the heads' scores of EntMTP-dyn's super-tree at every step index
+            dyn_scores.append(score_prompt(model, hydra, row["input_ids"], ro["tokens"], [dynamic.super_tree])[0])
         acc = np.stack([accept_lengths(ro["rank_paths"], t.paths, rank_cap=rank_cap) for t in bank.trees])
         t_min, sched = oracle_schedule(acc, np.asarray(costs))
         oracle_time += t_min
@@ -351,9 +367,34 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
         # their share of it compares like with like (the timed figures above and the replayed
         # oracle come from different runs of the machine)
         replayed = replayed_methods(bank, rollouts, costs, rank_cap)
+        if dynamic is not None:
+            dyn_replay = replay_dynamic(rollouts, dyn_scores, dynamic, rank_cap)
+            replayed[DYNAMIC_LABEL] = dyn_replay.tokens_per_second
+            df.attrs["dynamic_check"] = dynamic_check(dyn_replay, rollouts, recs[DYNAMIC_LABEL], ar_tokens)
         df["replayed_tok_per_s"] = df.method.map(replayed).fillna(df.get("replayed_tok_per_s"))
         df["replayed_share_of_oracle"] = df.replayed_tok_per_s / oracle_dec
     return df, recs
+
+
+def dynamic_check(replay, rollouts: list[dict], recs: list[dict], ar_tokens: dict[str, list[int]]) -> dict[str, Any]:
+    """Recalibrate's check for EntMTP-dyn on the eval prompts: each real decode against the replay of
+    the same policy on that prompt's rollout, step by step (accepted length and subset size;
+    `pipeline.replay.compare_dynamic_steps`). Prompts whose rollout left AR's text (a float tie of
+    the teacher-forced pass) have no replay to compare with and are counted apart."""
+    from pipeline.replay import compare_dynamic_steps
+
+    out: dict[str, Any] = {"steps_compared": 0, "steps_agree": 0, "prompts_compared": 0, "prompts_skipped": [],
+                           "disagreements": []}
+    for n, (ro, rec) in enumerate(zip(rollouts, recs)):
+        if ro["tokens"].tolist() != ar_tokens[rec["id"]] or rec["tokens"] != ar_tokens[rec["id"]]:
+            out["prompts_skipped"].append(rec["id"])
+            continue
+        cmp = compare_dynamic_steps(replay, n, rec["accepted"], rec["nodes"], len(ro["tokens"]))
+        out["steps_compared"] += cmp["steps_compared"]
+        out["steps_agree"] += cmp["steps_agree"]
+        out["prompts_compared"] += 1
+        out["disagreements"] += [{"prompt": rec["id"], **d} for d in cmp["disagreements"]][: 10 - len(out["disagreements"])]
+    return out
 
 
 def replayed_methods(bank, rollouts: list[dict], costs: list[float], rank_cap: int) -> dict[str, float]:
@@ -440,7 +481,9 @@ def plot_schedule(rec: dict, bank, path: Path, label: str) -> None:
 
     fig, ax1 = plt.subplots(figsize=(9, 3.5))
     steps = range(len(rec["trees"]))
-    ax1.step(steps, [bank.trees[k].num_nodes for k in rec["trees"]], where="post", color="tab:blue", label="tree nodes")
+    # a dynamic step (tree == DYNAMIC_TREE) is no bank tree: its record holds the nodes it verified
+    nodes = rec.get("nodes") or [bank.trees[k].num_nodes for k in rec["trees"]]
+    ax1.step(steps, nodes, where="post", color="tab:blue", label="tree nodes")
     ax1.set_xlabel("decoding step")
     ax1.set_ylabel("tree nodes", color="tab:blue")
     ax2 = ax1.twinx()

@@ -271,3 +271,30 @@ def test_bank_round_trip_with_the_dynamic_policy(tmp_path: Path) -> None:
     small = _Costs()
     small.verify_rows = [1, 8]
     assert build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, small, 100.0, None) is None
+
+
+# --- the evaluation --------------------------------------------------------------------------------
+
+
+def test_evaluation_has_the_dynamic_row_and_checks_its_replay() -> None:
+    """compare_methods decodes EntMTP-dyn for real (identical to AR), replays it on the eval
+    rollouts beside the oracle (its share of it), and its replay agrees with every real step."""
+    from pipeline.evaluate import DYNAMIC_LABEL, compare_methods
+    from tests.helpers import BANK_TREES, BEST_STATIC, fake_figures, tiny_policies
+
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    rolls, (scores,) = _rollouts(model, heads, _prompts(3, seed=4), [SUPER])
+    dyn = build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, _Costs(), 50.0, None)
+    bank = TopologyBank(trees=list(BANK_TREES), figures=[fake_figures(t, k) for k, t in enumerate(BANK_TREES)],
+                        best_static=BEST_STATIC, policies=tiny_policies(), default_policy="hysteresis", dynamic=dyn)
+    rows = [{"id": f"e{n}", "input_ids": p} for n, p in enumerate(_prompts(3, seed=5))]
+    df, recs = compare_methods(model, heads, bank, rows, 24, rank_cap=K)
+    by = df.set_index("method")
+    assert by.loc[DYNAMIC_LABEL, "identical_to_ar"] == 1.0
+    assert 0 < by.loc[DYNAMIC_LABEL, "replayed_share_of_oracle"] and np.isfinite(by.loc[DYNAMIC_LABEL, "replayed_tok_per_s"])
+    assert all(t == DYNAMIC_TREE for r in recs[DYNAMIC_LABEL] for t in r["trees"])
+    assert all(1 <= n <= SUPER.num_nodes for r in recs[DYNAMIC_LABEL] for n in r["nodes"])
+    check = df.attrs["dynamic_check"]
+    assert check["prompts_compared"] == 3 and check["steps_compared"] == sum(r["steps"] for r in recs[DYNAMIC_LABEL])
+    assert check["steps_agree"] == check["steps_compared"] and check["disagreements"] == []
