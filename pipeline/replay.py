@@ -735,7 +735,8 @@ def compare_dynamic_steps(replay: DynamicReplay, prompt: int, accepted_real: Seq
     i = 0
     for s, (a_real, n_real) in enumerate(zip(accepted_real, nodes_real)):
         if s >= len(vis) or vis[s] != i:
-            out.append({"step": s, "index": i, "what": "the replay visits other step indices"}) if len(out) < limit else None
+            if len(out) < limit:
+                out.append({"step": s, "index": i, "what": "the replay visits other step indices"})
             break
         compared += 1
         if min(a_real, T - 1 - i) == acc[s] and n_real == nod[s]:

@@ -298,3 +298,20 @@ def test_evaluation_has_the_dynamic_row_and_checks_its_replay() -> None:
     check = df.attrs["dynamic_check"]
     assert check["prompts_compared"] == 3 and check["steps_compared"] == sum(r["steps"] for r in recs[DYNAMIC_LABEL])
     assert check["steps_agree"] == check["steps_compared"] and check["disagreements"] == []
+
+
+def test_the_step_check_reports_what_differs() -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    prompts = _prompts(1, seed=6)
+    rolls, (scores,) = _rollouts(model, heads, prompts, [SUPER])
+    policy = DynamicPolicy(SUPER, GENTLE)
+    replay = replay_dynamic(rolls, scores, policy)
+    (res,) = _real_decodes(model, heads, prompts, policy)
+    acc, nodes, T = [s.accepted for s in res.steps], [s.nodes for s in res.steps], len(rolls[0]["tokens"])
+    nodes[0] += 1
+    cmp = compare_dynamic_steps(replay, 0, acc, nodes, T)
+    assert cmp["steps_agree"] == cmp["steps_compared"] - 1 and cmp["disagreements"][0]["step"] == 0
+    acc[0] += 1   # the real decode then visits other step indices: compared up to there
+    cmp = compare_dynamic_steps(replay, 0, acc, [s.nodes for s in res.steps], T)
+    assert cmp["steps_compared"] == 1 and cmp["disagreements"][-1]["what"].startswith("the replay visits")
