@@ -318,13 +318,16 @@ class TreeDecoder:
                         seq.signal = self._observe(seq)
                         self._leave(seq)
                     picks = batch_policy.choose([seq.signal for seq in live])
-                drafts = []
+                same_tree: dict[int, list[_Sequence]] = {}
                 for seq, pick in zip(live, picks):
                     self._enter(seq)
-                    drafts.append(self._draft(seq, pick))
+                    if self._choose(seq, pick):
+                        same_tree.setdefault(seq.tree, []).append(seq)
                     self._leave(seq)
-                outs = model.forward_batch([BatchItem(seq.cache, tokens, start + buf.depths, buf.ancestor_lists)
-                                            for seq, (buf, tokens, start) in zip(live, drafts)])
+                for group in same_tree.values():
+                    self._draft_together(group)
+                outs = model.forward_batch([BatchItem(seq.cache, seq.drafted, seq.start + seq.buf.depths,
+                                                      seq.buf.ancestor_lists) for seq in live])
                 for seq, (logits, hidden) in zip(live, outs):
                     self._enter(seq)
                     self._finish(seq, logits, hidden)
@@ -418,10 +421,17 @@ class TreeDecoder:
         chain = greedy_chain_top1(self.heads, seq.h, seq.root) if seq.reads_heads else ()
         return seq.choose.signal.observe(seq.p0, chain, seq.entropy)
 
-    def _draft(self, seq: _Sequence, tree: int | None = None) -> tuple[TreeBuffers, torch.Tensor, int]:
+    def _draft(self, seq: _Sequence) -> tuple[TreeBuffers, torch.Tensor, int]:
+        """Choose the step's tree and draft it: (its buffers, the drafted tokens [N], the cache
+        slot of its root)."""
+        if self._choose(seq):
+            seq.drafted = self.heads.propose(seq.h, seq.root, seq.buf)
+        return seq.buf, seq.drafted, seq.start
+
+    def _choose(self, seq: _Sequence, tree: int | None = None) -> bool:
         """Choose the step's tree (or take `tree`, chosen for the whole batch from the signal
-        `_observe` gave) and draft it: (its buffers, the drafted tokens [N], the cache slot of its root).
-        A DynamicPolicy drafts its super-tree and returns the subset it chose (`runtime.dynamic`)."""
+        `_observe` gave). True when it is a bank tree, left to draft; a DynamicPolicy drafts its
+        super-tree here and keeps the subset it chose (`runtime.dynamic`)."""
         # No synchronisation for this clock read: the previous step ended with one (its token
         # transfer); device work queued after it (the heads' observation) counts in this step.
         seq.step_t0 = time.perf_counter()
@@ -429,7 +439,7 @@ class TreeDecoder:
         if tree is None and isinstance(seq.choose, DynamicPolicy):
             seq.tree, seq.signal = DYNAMIC_TREE, math.nan
             seq.buf, seq.drafted = seq.choose.draft(self.heads, seq.h, seq.root)
-            return seq.buf, seq.drafted, seq.start
+            return False
         if tree is not None:
             seq.tree = tree
         elif seq.fixed:
@@ -437,9 +447,21 @@ class TreeDecoder:
         else:
             seq.signal = self._observe(seq)
             seq.tree = seq.choose.policy.choose(seq.signal)
-        seq.buf = buf = self.trees[seq.tree]
-        seq.drafted = self.heads.propose(seq.h, seq.root, buf)
-        return buf, seq.drafted, seq.start
+        seq.buf = self.trees[seq.tree]
+        return True
+
+    def _draft_together(self, group: list[_Sequence]) -> None:
+        """Draft the step's tree of sequences that chose the same one, in one `propose_batch`: each
+        head product then reads its weights once for the whole group. Drafting only proposes, so
+        whatever it drafts, each sequence's output stays its own AR output."""
+        if len(group) == 1:
+            seq = group[0]
+            seq.drafted = self.heads.propose(seq.h, seq.root, seq.buf)
+            return
+        h = torch.cat([seq.h.reshape(1, -1) for seq in group])
+        drafted = self.heads.propose_batch(h, [seq.root for seq in group], group[0].buf)
+        for seq, tokens in zip(group, drafted):
+            seq.drafted = tokens
 
     def _finish(self, seq: _Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
         """Accept, compact the cache, observe the accepted positions and emit, from the verify

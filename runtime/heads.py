@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -419,7 +420,20 @@ class DraftHeads(nn.Module):
         batched), so the work is one small batch per depth, with topk only as wide as the tree
         needs there (`buffers.topk`). Every index comes precomputed with the buffers, which must
         live on the heads' device: no host synchronisation happens here."""
-        return self._draft_tree(h, root_token, buffers, None)
+        return self._draft_tree(h.reshape(1, -1), root_token, buffers, None)[0]
+
+    @torch.no_grad()
+    def propose_batch(self, h: Tensor, root_tokens: Tensor | Sequence[int], buffers: TreeBuffers) -> Tensor:
+        """`propose` for B sequences that draft the same tree: context vectors h [B, dim] and their
+        roots [B] give tokens [B, N]. One head product per depth over the B sequences' rows
+        together: the heads' weights are read once per level rather than once per sequence, which
+        is most of a level's cost while the rows are few (a batched decode's drafting)."""
+        if h.dim() != 2:
+            raise ValueError(f"h must be [B, dim] for a batch of context vectors, got {tuple(h.shape)}")
+        roots = torch.as_tensor(root_tokens, dtype=torch.long, device=h.device)
+        if roots.shape != (h.shape[0],):
+            raise ValueError(f"{h.shape[0]} context vectors but root tokens of shape {tuple(roots.shape)}")
+        return self._draft_tree(h, roots, buffers, None)
 
     @torch.no_grad()
     def propose_scored(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers) -> tuple[Tensor, Tensor]:
@@ -430,50 +444,57 @@ class DraftHeads(nn.Module):
         A dynamic tree policy multiplies these along each path (EAGLE-2's path value) to choose,
         every step, which nodes of a super-tree to verify (`runtime.dynamic`). Same work as
         `propose` plus one softmax pass over each head's logits; still no host synchronisation."""
-        node_prob = torch.ones(buffers.num_nodes, dtype=torch.float32, device=h.device)
-        return self._draft_tree(h, root_token, buffers, node_prob), node_prob
+        node_prob = torch.ones(1, buffers.num_nodes, dtype=torch.float32, device=h.device)
+        return self._draft_tree(h.reshape(1, -1), root_token, buffers, node_prob)[0], node_prob[0]
 
     def _draft_tree(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers,
                     node_prob: Tensor | None) -> Tensor:
-        """The drafting behind `propose` and `propose_scored`: fills node_prob[1:] when given."""
+        """The drafting behind the `propose*` methods, for B sequences (h [B, dim], roots an int or
+        [B]) drafting one tree: tokens [B, N]; fills node_prob[:, 1:] ([B, N]) when given. The
+        rows of all B sequences go through each head product together."""
         depth = len(buffers.depth_slices)
         if depth > self.config.num_heads:
             raise ValueError(f"the tree has depth {depth} but the heads draft only {self.config.num_heads} tokens")
         if buffers.depths.device != h.device:
             raise ValueError(f"the tree buffers live on {buffers.depths.device} but the context vector on {h.device}: "
                              "move them with buffers.to(device) once, not per step")
-        h = h.reshape(1, -1).to(self.dtype)
-        tokens = torch.empty(buffers.num_nodes, dtype=torch.long, device=h.device)
-        tokens[0] = root_token
+        h = h.to(self.dtype)
+        b = h.shape[0]
+        tokens = torch.empty(b, buffers.num_nodes, dtype=torch.long, device=h.device)
+        tokens[:, 0] = root_token
         if depth == 0:
             return tokens
         v_out = self.config.draft_vocab_size or self.config.vocab_size
         if max(buffers.topk) > v_out:
             raise ValueError(f"the tree asks for rank {max(buffers.topk) - 1} but a head has only {v_out} candidates")
         ranks = buffers.ranks
+        seqs = torch.arange(b, device=h.device)[:, None] if node_prob is not None else None
 
         if self.config.kind == "medusa":
-            states = self.head_states(h, None, heads=depth)                 # [1, depth, dim]
-            logits = self.output_logits(states)[0]                         # [depth, V_out]
-            picked = logits.topk(max(buffers.topk), dim=-1).indices[buffers.draft_heads, ranks[1:]]
-            tokens[1:] = picked if self.draft_ids is None else self.draft_ids[picked]
+            states = self.head_states(h, None, heads=depth)                 # [B, depth, dim]
+            logits = self.output_logits(states)                            # [B, depth, V_out]
+            picked = logits.topk(max(buffers.topk), dim=-1).indices[:, buffers.draft_heads, ranks[1:]]
+            tokens[:, 1:] = picked if self.draft_ids is None else self.draft_ids[picked]
             if node_prob is not None:  # one fused softmax pass (about half of a log-sum-exp's cost)
-                node_prob[1:] = torch.softmax(logits.float(), dim=-1)[buffers.draft_heads, picked]
+                node_prob[:, 1:] = torch.softmax(logits.float(), dim=-1)[seqs, buffers.draft_heads, picked]
             return tokens
 
-        # Hydra: inputs[i] = concat(h, e(root), e(tokens on node i's path)) for nodes of depth d-1
-        inputs = torch.cat([h, self.embed(tokens[:1])], dim=-1)               # [1, 2*dim]
+        # Hydra: inputs[s, i] = concat(h_s, e(root_s), e(tokens on node i's path)) for nodes of depth d-1
+        inputs = torch.cat([h, self.embed(tokens[:, 0])], dim=-1)[:, None]   # [B, 1, 2*dim]
         for d, (start, end) in enumerate(buffers.depth_slices, start=1):
-            x = self._blocks(d, inputs.index_select(0, buffers.unique_parents[d - 1]))  # parents with children
-            logits = self.output_logits(x[:, None, :], first_head=d)[:, 0]  # [u, V_out]
-            top = logits.topk(buffers.topk[d - 1], dim=-1).indices
-            picked = top[buffers.parent_inverse[d - 1], ranks[start:end]]
+            rows = inputs.index_select(1, buffers.unique_parents[d - 1])      # parents with children [B, u, .]
+            u = rows.shape[1]
+            x = self._blocks(d, rows.reshape(b * u, -1))
+            logits = self.output_logits(x[:, None, :], first_head=d)[:, 0]  # [B*u, V_out]
+            top = logits.topk(buffers.topk[d - 1], dim=-1).indices.view(b, u, -1)
+            picked = top[:, buffers.parent_inverse[d - 1], ranks[start:end]]  # [B, n_d]
             tok = picked if self.draft_ids is None else self.draft_ids[picked]
-            tokens[start:end] = tok
+            tokens[:, start:end] = tok
             if node_prob is not None:  # one fused softmax pass (about half of a log-sum-exp's cost)
-                node_prob[start:end] = torch.softmax(logits.float(), dim=-1)[buffers.parent_inverse[d - 1], picked]
+                probs = torch.softmax(logits.float(), dim=-1).view(b, u, -1)
+                node_prob[:, start:end] = probs[seqs, buffers.parent_inverse[d - 1], picked]
             if d < depth:
-                inputs = torch.cat([inputs.index_select(0, buffers.parent_slots[d - 1]), self.embed(tok)], dim=-1)
+                inputs = torch.cat([inputs.index_select(1, buffers.parent_slots[d - 1]), self.embed(tok)], dim=-1)
         return tokens
 
 

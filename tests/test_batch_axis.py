@@ -16,7 +16,7 @@ from runtime.bank import BankError, TopologyBank
 from runtime.schedule import schedule_from_bank
 from runtime.tree import Tree
 from tests.helpers import make_bank, reseal, tiny_model
-from tests.test_step_cost import _synthetic_model as step_model
+from tests.test_step_cost import _level_ms as level_ms, _synthetic_model as step_model
 
 
 def _with_batch(model: StepCostModel, sizes: list[int], per_row: float) -> StepCostModel:
@@ -27,13 +27,16 @@ def _with_batch(model: StepCostModel, sizes: list[int], per_row: float) -> StepC
     return model
 
 
-def test_a_batched_step_drafts_and_finishes_each_sequence_and_verifies_all_rows_at_once() -> None:
+def test_a_batched_step_drafts_together_finishes_each_sequence_and_verifies_all_rows_at_once() -> None:
     model = _with_batch(step_model(), [1, 2, 4], per_row=0.01)
     tree = Tree([(0,), (1,), (0, 0)])
     one = model.predict(tree, 200)
     assert predict_batch(model, tree, 200, 1) == one
     four = predict_batch(model, tree, 200, 4)
-    assert four["draft_ms"] == pytest.approx(4 * one["draft_ms"]) and four["fixed_ms"] == pytest.approx(4 * one["fixed_ms"])
+    # one propose_batch: level 1 over 4 roots, level 2 over 4 x 1 parents (synthetic level costs)
+    assert four["draft_ms"] == pytest.approx(0.2 + level_ms(1, 4) + level_ms(2, 4))
+    assert one["draft_ms"] < four["draft_ms"] < 4 * one["draft_ms"]
+    assert four["fixed_ms"] == pytest.approx(4 * one["fixed_ms"])
     assert four["verify_ms"] == pytest.approx((1 + 0.01 * 3 * tree.num_nodes) * one["verify_ms"])
     with pytest.raises(ValueError, match="batch size 3 was not measured"):
         predict_batch(model, tree, 200, 3)

@@ -79,6 +79,24 @@ def test_propose_matches_per_node_brute_force(kind: str, prefix: bool, output: s
         assert got == brute_force_tree(heads, h, 7, tree), f"tree {tree}"
 
 
+@pytest.mark.parametrize(("kind", "output"), [("hydra", "shared"), ("hydra", "draft"), ("medusa", "own")])
+def test_propose_batch_drafts_each_sequence_as_propose_does(kind: str, output: str) -> None:
+    model = tiny_model()
+    heads = random_heads(model, kind, False, output)
+    contexts = [prefill(model, heads, n=5 + i, seed=10 + i)[1] for i in range(3)]
+    h, roots = torch.cat(contexts), [7, 31, 2]
+    for tree in TREES:
+        buf = TreeBuffers.compile(tree)
+        together = heads.propose_batch(h, roots, buf)
+        assert together.shape == (3, tree.num_nodes)
+        alone = [heads.propose(c, r, buf).tolist() for c, r in zip(contexts, roots)]
+        assert together.tolist() == alone, f"tree {tree}"
+    drafted = heads.propose_batch(h, roots, TreeBuffers.compile(TREES[0]))[:, 1:].tolist()
+    assert len({tuple(r) for r in drafted}) > 1  # the sequences' drafts differ: no row was copied
+    with pytest.raises(ValueError, match="root tokens"):
+        heads.propose_batch(h, [1, 2], TreeBuffers.compile(Tree.chain(2)))
+
+
 @pytest.mark.parametrize("output", ["draft"])
 def test_draft_vocab_proposals_are_base_ids_of_the_draft_vocab(output: str) -> None:
     model = tiny_model()

@@ -79,6 +79,19 @@ def test_predict_recovers_known_costs_on_random_trees() -> None:
         assert got["step_ms"] == pytest.approx(sum(want.values()))
 
 
+def test_batched_draft_prices_each_level_at_batch_times_its_rows() -> None:
+    model = _synthetic_model()
+    rng = random.Random(1)
+    for _ in range(100):
+        tree, batch = _random_tree(rng), rng.choice([1, 2, 4, 8])
+        widths = level_widths(tree)
+        want = 0.2 + sum(_level_ms(d, batch * widths[d - 1]) for d in range(1, tree.depth + 1))
+        assert model.draft(tree, batch) == pytest.approx(want, rel=1e-9, abs=1e-9), (batch, tree.paths)
+    medusa = _synthetic_model("medusa")
+    chain = Tree([(0,), (0, 0)])
+    assert medusa.draft(chain, 4) == medusa.draft(chain)  # one product over a few rows costs as one
+
+
 def test_medusa_draft_depends_on_depth_only() -> None:
     model = _synthetic_model("medusa")
     wide, chain = Tree([(i,) for i in range(8)] + [(0, 0), (0, 0, 0)]), Tree([(0,), (0, 0), (0, 0, 0)])

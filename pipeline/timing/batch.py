@@ -1,13 +1,15 @@
 """The batch-size axis of the step-cost model: what a step costs when B sequences decode together.
 
-In a batched step (`runtime.decoder.TreeDecoder.generate_batch`) the heads draft each sequence's
-tree in turn, one forward verifies the rows of all B sequences (`Transformer.forward_batch`: the
+In a batched step (`runtime.decoder.TreeDecoder.generate_batch`) the heads draft the sequences
+that chose the same tree together (`DraftHeads.propose_batch`: each level one product over all
+their rows), one forward verifies the rows of all B sequences (`Transformer.forward_batch`: the
 matrix products once over B x N rows, attention per sequence over its own cache), and each
 sequence then accepts, compacts its cache and feeds its heads in turn. So
 
-    step_B(tree) = B * (draft + fixed) + verify_B(N rows per sequence, context)
+    step_B(tree) = draft_B(tree) + B * fixed + verify_B(N rows per sequence, context)
 
-with draft and fixed from the single-sequence model and verify_B measured: forwards of B
+with draft_B from the single-sequence draft table at B times each level's rows
+(`StepCostModel.draft(tree, batch)`), fixed from the single-sequence model and verify_B measured: forwards of B
 sequences x N rows at the reference context, each a ratio to the one-sequence forward of the
 same N timed in the same pass (a shared machine's speed phases cancel), times the model's own
 verify(N). A tree that pays for one sequence stops paying once B x N rows leave the
@@ -110,7 +112,7 @@ def predict_batch(model: StepCostModel, tree: Tree, context: float, batch: int) 
     at = model.batch_sizes.index(batch)
     ratio = _interp(model.verify_rows, model.batch_verify_ratio[at], tree.num_nodes)
     scale = _interp(model.verify_rows, model.batch_in_situ[at], tree.num_nodes) if model.batch_in_situ else 1.0
-    parts = {"draft_ms": scale * batch * single["draft_ms"], "verify_ms": scale * ratio * single["verify_ms"],
+    parts = {"draft_ms": scale * model.in_situ * model.draft(tree, batch), "verify_ms": scale * ratio * single["verify_ms"],
              "fixed_ms": scale * batch * single["fixed_ms"]}
     return {**parts, "step_ms": sum(parts.values())}
 

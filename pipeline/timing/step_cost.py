@@ -195,14 +195,18 @@ class StepCostModel:
     def _draft_table(self, depth: int, width: int) -> float:
         return _interp(self.draft_widths, self.draft_ms[depth], width)
 
-    def draft(self, tree: Tree) -> float:
-        """ms of the heads' `propose` for `tree`."""
+    def draft(self, tree: Tree, batch: int = 1) -> float:
+        """ms of the heads' `propose` for `tree`, or of `propose_batch` of `batch` sequences that
+        draft it together: each level then is one product over `batch` times its rows."""
         if tree.depth > self.num_heads:
             raise ValueError(f"a tree of depth {tree.depth}: the heads draft only {self.num_heads} levels")
         if self.kind == "medusa" or tree.depth == 0:
-            return self._draft_table(tree.depth, 1)
-        widths = level_widths(tree)
+            return self._draft_table(tree.depth, 1)  # one product over `batch` rows: few rows cost as one
+        widths = [batch * w for w in level_widths(tree)]
         total = self._draft_table(1, 1)  # level 1 has one row (the root); includes propose's prologue
+        if batch > 1 and self.num_heads > 1:  # level 1 over `batch` roots: priced as a level 2 of that width
+            total += (self._draft_table(2, batch) - self._draft_table(1, batch)) - (
+                self._draft_table(2, 1) - self._draft_table(1, 1))
         for d in range(2, tree.depth + 1):
             total += self._draft_table(d, widths[d - 1]) - self._draft_table(d - 1, widths[d - 1])
         return total
