@@ -22,6 +22,7 @@ import torch
 from runtime.bank import BankError, TopologyBank
 from runtime.decoder import Acceptance, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
 from runtime.device import clock, resolve_device, torch_dtype
+from runtime.dynamic import DynamicPolicy
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import DraftHeads, load_heads
 from runtime.model import Transformer, load_model, load_tokenizer
@@ -61,6 +62,7 @@ def render_chat(model_dir: Path, prompt: str, system: str | None = None) -> str:
 
 
 LOSSLESS_MODES = ("exact", "numerical")
+DYNAMIC = "dynamic"   # the policy name of EntMTP-dyn (the bank's `dynamic` entry, `runtime.dynamic`)
 DEFAULT_INVARIANT_ROWS = 8
 
 
@@ -137,9 +139,11 @@ class EntMTP:
                                  force=force)
         return cls(model, heads, bank, load_tokenizer(model_dir), model_dir, acceptance=acceptance)
 
-    def scheduler(self, policy: str | int | None = None) -> Scheduler | int:
-        """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput), a
-        tree index (an int, or its digits as a string), or None for the bank's default."""
+    def scheduler(self, policy: str | int | None = None) -> Scheduler | DynamicPolicy | int:
+        """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput),
+        "dynamic" (EntMTP-dyn: a fresh `DynamicPolicy` from the bank's dynamic entry, see
+        `dynamic_policy`), a tree index (an int, or its digits as a string), or None for the
+        bank's default. What it returns is the decoder's `choose`."""
         # `is None`, not `or`: policy=0 (the smallest tree) must not mean "the default policy"
         name = self.bank.default_policy if policy is None else policy
         if isinstance(name, bool) or not isinstance(name, (str, int)):
@@ -151,10 +155,30 @@ class EntMTP:
             return k
         if name == "static" and "static" not in self.bank.policies:
             return self.bank.best_static
+        if name == DYNAMIC:
+            return self.dynamic_policy()
         if name not in self.bank.policies:
-            names = sorted({"static", *self.bank.policies})
+            names = sorted({"static", *self.bank.policies, *([DYNAMIC] if self.bank.dynamic else [])})
             raise ValueError(f"unknown policy {name!r}; this bank has: {', '.join(names)} or a tree index")
         return Scheduler(policy_from_dict(self.bank.policies[name]), len(self.bank.trees))
+
+    def dynamic_policy(self) -> DynamicPolicy:
+        """EntMTP-dyn (`policy="dynamic"`): a fresh `DynamicPolicy` (its own subset cache) from the
+        bank's fitted super-tree, step costs and calibration. ValueError, saying how to get one,
+        where the bank has no dynamic entry."""
+        if not self.bank.dynamic:
+            names = sorted({"static", *self.bank.policies})
+            raise ValueError(f"policy 'dynamic' (EntMTP-dyn) needs a bank with a fitted dynamic policy, and the bank "
+                             f"{self.bank.path or ''} has none (built with dynamic.enabled=false, with typical "
+                             "acceptance, or by an older pipeline); rebuild it with `make bank TASK=<task> "
+                             f"ARGS=dynamic.enabled=true` (exact acceptance), or pick one of: {', '.join(names)} "
+                             "or a tree index")
+        return self.bank.dynamic_policy()
+
+    def _tree_nodes(self, choose: Scheduler | DynamicPolicy | int) -> int | None:
+        """The most nodes a step of `choose` verifies when it is not the bank's largest tree (a
+        DynamicPolicy's super-tree), for the context-window checks; None: the bank's largest."""
+        return choose.num_nodes if isinstance(choose, DynamicPolicy) else None
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Token ids of `prompt` (text through the chat template unless chat=False, or ids as
@@ -179,15 +203,18 @@ class EntMTP:
                              "this model's tokenizer")
         return ids
 
-    def fit_context(self, ids: list[int], max_new_tokens: int, truncate: str | None = None) -> list[int]:
-        """Apply the context-window policy of `generate` to prompt ids (see there)."""
+    def fit_context(self, ids: list[int], max_new_tokens: int, truncate: str | None = None,
+                    tree_nodes: int | None = None) -> list[int]:
+        """Apply the context-window policy of `generate` to prompt ids (see there). `tree_nodes`:
+        the largest tree a step verifies (default: the bank's; a DynamicPolicy's super-tree may
+        be larger)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if truncate not in (None, "left"):
             raise ValueError(f"truncate must be None (raise on an overlong prompt) or 'left' (keep the most recent "
                              f"tokens), got {truncate!r}")
         capacity = self.model.max_seq_len
-        tree = max(int(b.depths.numel()) for b in self.bank.buffers)
+        tree = tree_nodes if tree_nodes is not None else max(int(b.depths.numel()) for b in self.bank.buffers)
         room = capacity - max_new_tokens - tree  # prompt tokens that fit (the decoder's own bound)
         if room < 1:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) + the largest tree ({tree} nodes) leave no room for a "
@@ -234,7 +261,8 @@ class EntMTP:
         the capacity, whatever `truncate` says. An empty prompt raises ValueError.
         """
         sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
-        ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate)
+        choose = self.scheduler(policy)
+        ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate, self._tree_nodes(choose))
         on_tokens = None
         if stream is not None:
             if self.tokenizer is None:
@@ -254,12 +282,14 @@ class EntMTP:
                 printed[0] = len(text)
 
         decoder = self.decoder_for(acceptance)
-        res = decoder.generate(ids, max_new_tokens, choose=self.scheduler(policy), stream=on_tokens, sampler=sampler)
+        res = decoder.generate(ids, max_new_tokens, choose=choose, stream=on_tokens, sampler=sampler)
         text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
         if stream is not None and len(text) > printed[0]:
             stream(text[printed[0]:])  # what was held back (generation stopped mid-character)
         stats = res.stats()
         stats["trees_used"] = {self.bank.trees[k].num_nodes: n for k, n in stats["trees_used"].items()}
+        if isinstance(choose, DynamicPolicy):
+            stats["dynamic_cache"] = _cache_stats(choose)
         stats["sampling"] = sampler.config.to_dict()
         stats["acceptance"] = acceptance_dict(decoder.acceptance)
         return Generation(text=text, tokens=res.tokens, stats=stats, result=res)
@@ -280,10 +310,11 @@ class EntMTP:
     ) -> list[Generation]:
         """Decode several prompts together, `batch_size` at a time (default: all at once): each step
         verifies every live sequence's tree in one forward, each sequence with its own cache,
-        positions and tree (`policy` as in `generate`, one scheduler per sequence; or "batch":
-        every sequence's tree chosen together, `batch_scheduler`), and a sequence
-        leaves the batch when it finishes. Lossless per sequence: under the exact lossless mode
-        every output equals that prompt decoded alone by AR, whatever shares the batch.
+        positions and tree (`policy` as in `generate`, one scheduler per sequence, "dynamic" one
+        DynamicPolicy per sequence; or "batch": every sequence's tree chosen together,
+        `batch_scheduler`), and a sequence leaves the batch when it finishes. Lossless per
+        sequence: under the exact lossless mode every output equals that prompt decoded alone by
+        AR, whatever shares the batch.
 
         A prompt that cannot be decoded (empty, or too long for the KV cache without `truncate`)
         comes back with `error` set and no tokens; the others are decoded. `ar=True` decodes with
@@ -300,12 +331,15 @@ class EntMTP:
                              "with lossless='exact' or decode the prompts one by one")
         sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         decoder = self.decoder_for(None)
+        # a bad policy name fails here, once, before any prompt is decoded; a dynamic policy's
+        # super-tree (which may outgrow the bank's trees) sets the room each prompt needs
+        nodes = None if ar or policy == "batch" else self._tree_nodes(self.scheduler(policy))
         out: list[Generation | None] = [None] * len(prompts)
         ready: list[tuple[int, list[int]]] = []
         for k, prompt in enumerate(prompts):
             try:
-                ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate)
-                decoder.check_fits(len(ids), max_new_tokens)
+                ids = self.fit_context(self.encode(prompt, chat), max_new_tokens, truncate, nodes)
+                decoder.check_fits(len(ids), max_new_tokens, nodes)
                 ready.append((k, ids))
             except ValueError as err:
                 out[k] = Generation(text="", tokens=[], stats={}, error=str(err))
@@ -313,6 +347,7 @@ class EntMTP:
         for first in range(0, len(ready), size):
             group = ready[first:first + size]
             ids = [g[1] for g in group]
+            per_seq: list = [None] * len(group)   # each sequence's `choose` (its stats)
             t0 = clock(self.model.device)
             if ar:
                 results = [GenerationResult(tokens=t) for t in ar_generate_batch(self.model, ids, max_new_tokens,
@@ -322,14 +357,17 @@ class EntMTP:
                 results = decoder.generate_batch(ids, max_new_tokens, choose=[chooses() for _ in ids], sampler=sampler,
                                                  batch_policy=batch_policy)
             else:
-                results = decoder.generate_batch(ids, max_new_tokens, choose=[self.scheduler(policy) for _ in ids],
-                                                 sampler=sampler)
+                # a fresh scheduler (or DynamicPolicy, with its own subset cache) per sequence
+                per_seq = [self.scheduler(policy) for _ in ids]
+                results = decoder.generate_batch(ids, max_new_tokens, choose=per_seq, sampler=sampler)
             seconds = clock(self.model.device) - t0
             batch_tokens = sum(len(r.tokens) for r in results)
-            for (k, _), res in zip(group, results):
+            for (k, _), res, choose in zip(group, results, per_seq):
                 stats = res.stats() if res.steps else {"new_tokens": len(res.tokens), "tokens_per_step": 1.0}
                 if "trees_used" in stats:
                     stats["trees_used"] = {self.bank.trees[t].num_nodes: n for t, n in stats["trees_used"].items()}
+                if isinstance(choose, DynamicPolicy):
+                    stats["dynamic_cache"] = _cache_stats(choose)
                 stats.update(batch_size=len(group), batch_seconds=round(seconds, 4),
                              batch_tok_per_s=round(batch_tokens / seconds, 2) if seconds > 0 else float("nan"))
                 text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
@@ -362,6 +400,12 @@ class EntMTP:
         return Generation(text=text, tokens=toks, stats={"new_tokens": len(toks), "tok_per_s": round(len(toks) / dt, 2),
                                                           "tokens_per_step": 1.0,
                                                           "sampling": sampler.config.to_dict()})
+
+
+def _cache_stats(policy: DynamicPolicy) -> dict[str, int | float]:
+    """A DynamicPolicy's subset-cache look-ups for a decode's stats (JSON-safe: no NaN)."""
+    looks = policy.hits + policy.misses
+    return {"hits": policy.hits, "misses": policy.misses, "hit_rate": round(policy.hits / looks, 4) if looks else 0.0}
 
 
 def _acceptance_key(acceptance: Acceptance) -> tuple:
