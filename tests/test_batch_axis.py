@@ -179,11 +179,11 @@ def test_batch_replays_put_the_oracle_on_top() -> None:
 
 
 @torch.inference_mode()
-def test_the_batch_axis_is_calibrated_in_situ_and_checked_by_a_second_pass() -> None:
+def test_the_batch_axis_is_calibrated_in_situ_and_checked_by_other_passes() -> None:
     """measure_batch_axis on a real tiny decoder: ratios from batched forwards, one in-situ factor
-    per batch size from a first pass of timed batched decodes, and every timed tree checked at every
-    batch size > 1 by a second pass; a clock that ticks once per call makes both passes alike."""
-    from pipeline.timing.batch import measure_batch_axis
+    per batch size from calibration passes of timed batched decodes, and every timed tree checked at
+    every batch size > 1 by as many check passes; a clock that ticks once per call makes them alike."""
+    from pipeline.timing.batch import BATCH_CHECK_PASSES, measure_batch_axis
     from runtime.decoder import TreeDecoder
     from runtime.tree import TreeBuffers
     from tests.helpers import DECODER_TREES, tiny_heads
@@ -197,7 +197,7 @@ def test_the_batch_axis_is_calibrated_in_situ_and_checked_by_a_second_pass() -> 
     out = measure_batch_axis(dec, cost, list(DECODER_TREES), [1.0 + 0.1 * k for k in range(len(DECODER_TREES))], [0, 1],
                              [1, 2, 4], 20, list(range(3, 15)), repeats=2, new_tokens=16, check_tokens=10,
                              prefill_s=0.01, sampler=None, now=lambda: float(next(ticks)), progress=lambda: runs.append(1))
-    assert len(runs) == 2 * 2 * 2  # two passes x two timed trees x batch sizes 2 and 4
+    assert len(runs) == 2 * BATCH_CHECK_PASSES * 2 * 2  # calibration + check passes x two timed trees x B=2, 4
     assert cost.batch_sizes == [1, 2, 4] and len(cost.batch_in_situ) == 3
     assert cost.batch_in_situ[0] == [1.0] * len(cost.verify_rows)
     assert StepCostModel.from_dict(cost.to_dict()).batch_in_situ == cost.batch_in_situ

@@ -16,10 +16,10 @@ verify(N). A tree that pays for one sequence stops paying once B x N rows leave 
 memory-bound regime: the ratio grows with B faster for big N than for small.
 
 Inside real batched decodes a step runs at its own speed (its forward is partly compute-bound, and
-a shared machine's slow phases slow that less than a one-row forward), so a first pass of timed
-batched decodes of every timed tree sets in-situ factors per batch size and tree size
-(`batch_in_situ`: timed over modeled step, by node count, `in_situ_row`) and a second pass, minutes later, checks the calibrated model
-per tree and batch size (`check_batch_steps`; timing.json "batch").
+a shared machine's slow phases slow that less than a one-row forward), so calibration passes of timed
+batched decodes of every timed tree set in-situ factors per batch size and tree size
+(`batch_in_situ`: timed over modeled step, by node count, `in_situ_row`) and check passes, alternating
+with them, check the calibrated model per tree and batch size (`check_batch_steps`; timing.json "batch").
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from runtime.sampling import Sampler
 from runtime.tree import Tree
 
 WARMUP = 1
+BATCH_CHECK_PASSES = 3  # calibration passes, and as many check passes, per (tree, batch size)
 
 
 @torch.inference_mode()
@@ -191,11 +192,14 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     model.batch_in_situ = []
     larger = [b for b in sizes if b > 1]
     check_ctx = len(prompt) + check_tokens / 2  # the context of a batched decode of `prompt`: compare there
-    # calibration pass: batched decodes of every timed tree set the in-situ factors (timed over
-    # modeled step, by batch size and tree size); a second pass, each decode right after its
-    # calibration twin, checks the calibrated model
-    calib, measured = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress,
-                                        passes=2)
+    # calibration and check passes alternate, back to back per (tree, batch size): the median of the
+    # calibration passes sets the in-situ factors (timed over modeled step, by batch size and tree
+    # size), the median of the check passes checks the calibrated model. A median of several, so
+    # that a slow phase of a shared machine lasting one decode moves neither.
+    passes = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress,
+                               passes=2 * BATCH_CHECK_PASSES)
+    calib, measured = ({key: statistics.median(p[key] for p in passes[first::2]) for key in passes[0]}
+                       for first in (0, 1))
     model.batch_in_situ = [[1.0] * len(model.verify_rows)] + [
         in_situ_row(model.verify_rows, {k: 1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
                                         for k in timed}, [trees[k].num_nodes for k in range(len(trees))])

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_json, machine_info
-from pipeline.timing.batch import measure_batch_axis
+from pipeline.timing.batch import BATCH_CHECK_PASSES, measure_batch_axis
 from pipeline.timing.checks import e2e_tokens_per_second, measure_and_check, prune_again, time_head_chain
 from pipeline.timing.step_cost import cost_contexts, tree_entries
 from runtime.decoder import HEAD_SIGNALS, TreeDecoder
@@ -36,7 +36,8 @@ def build_timing(out: Path, dec: TreeDecoder, cands: list[dict], per_tree_tps: l
     bar.close()
     timed = [k for k in range(len(cands)) if k not in t["pruned"]]
     larger = [b for b in set(tc["batch_sizes"]) if int(b) > 1]
-    bar = tqdm(total=2 * len(timed) * len(larger), desc="batch axis: timed batched decodes", unit="run")
+    bar = tqdm(total=2 * BATCH_CHECK_PASSES * len(timed) * len(larger), desc="batch axis: timed batched decodes",
+               unit="run")
     batch = measure_batch_axis(dec, model, [c["tree"] for c in cands], per_tree_tps, timed, list(tc["batch_sizes"]),
                                ref_ctx, rows[0]["input_ids"], repeats=int(tc["cost_repeats"]), new_tokens=n_new,
                                check_tokens=int(tc["new_tokens"]), prefill_s=t["prefill_s"], sampler=sampler,
