@@ -235,15 +235,15 @@ class TreeDecoder:
         self,
         input_ids: Sequence[int],
         max_new_tokens: int,
-        choose: Scheduler | int = 0,
+        choose: Scheduler | DynamicPolicy | int = 0,
         eos_ids: Sequence[int] | None = None,
         stream: Callable[[list[int]], None] | None = None,
         sampler: Sampler | None = None,
     ) -> GenerationResult:
         """Decode up to `max_new_tokens` new tokens after `input_ids`.
 
-        `choose` is a fixed tree index or a `Scheduler` (a policy and its signal) that picks the
-        tree before every step. `stream` receives each step's emitted tokens. `sampler` picks
+        `choose` is a fixed tree index, a `Scheduler` (a policy and its signal) that picks the
+        tree before every step, or a `runtime.dynamic.DynamicPolicy` (EntMTP-dyn). `stream` receives each step's emitted tokens. `sampler` picks
         every emitted token (default: greedy); the output equals `ar_generate` with the same sampler.
 
         A step waits for the device once: when its emitted tokens (and, for signals that read the
@@ -268,7 +268,7 @@ class TreeDecoder:
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
-        choose: Scheduler | int | Sequence[Scheduler | int] = 0,
+        choose: Scheduler | DynamicPolicy | int | Sequence[Scheduler | DynamicPolicy | int] = 0,
         eos_ids: Sequence[int] | None = None,
         sampler: Sampler | None = None,
         on_step: Callable[[], None] | None = None,
