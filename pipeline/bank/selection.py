@@ -60,18 +60,19 @@ def batch_choices(batch: dict[str, Any], members: list[int], nodes: list[int], b
     batch axis: at each batch size, every bank tree's modeled batched step and batch tok/s
     (`members`: the bank trees' indices among the timed candidates; `nodes`: their sizes), the
     best tree (the smallest within `tolerance` of the fastest; none where that is the root alone
-    or not faster than AR by more than the model's error at that batch size: no speculation
+    or not faster than AR by more than the model's error allows at that batch size: no speculation
     there; batch 1 keeps the bank's `best_static`), the best chain likewise, and AR's step.
 
-    The model's error at a batch size is the largest |model - timed| of its checked trees
-    (`model_error_pct`): a modeled gain smaller than that is not one the bank can promise, and
-    AR is never slower than AR."""
+    The model's error at a batch size, e, is the largest |model - timed| of its checked trees
+    (`model_error_pct`, AR's included). A tree speculates there only if it still beats AR with its
+    own step e slower and AR's e faster than modeled, a gain of more than (1 + e)^2 - 1: both sides
+    of the ratio carry the model's error, and AR is never slower than AR."""
     out: dict[str, dict[str, Any]] = {}
     for b, entry in sorted(batch["per_batch"].items(), key=lambda kv: int(kv[0])):
         rows = [entry["trees"][i] for i in members]
         tok = [r["tok_per_s"] for r in rows]
         errors = [abs(r["model_error_pct"]) for r in entry["trees"] if "model_error_pct" in r]
-        floor = entry["ar_tok_per_s"] * (1 + (max(errors) / 100 if errors and int(b) > 1 else 0.0))
+        floor = entry["ar_tok_per_s"] * (1 + (max(errors) / 100 if errors and int(b) > 1 else 0.0)) ** 2
         k = best_static if int(b) == 1 else smallest_near_best(tok, tolerance)
         if nodes[k] == 1 or tok[k] <= floor:
             k = None

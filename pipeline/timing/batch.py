@@ -38,7 +38,14 @@ from runtime.sampling import Sampler
 from runtime.tree import Tree
 
 WARMUP = 1
-BATCH_CHECK_PASSES = 3  # calibration passes, and as many check passes, per (tree, batch size)
+BATCH_CHECK_PASSES = 4  # calibration passes, and as many check passes, per (tree, batch size)
+
+
+def calibration_pass(index: int) -> bool:
+    """Whether back-to-back pass `index` of a (tree, batch size) calibrates (else it checks): in the
+    order C K K C C K K C ..., so that a drift along the passes (a machine warming up or slowing
+    down) falls on both kinds alike instead of favouring the kind that always runs first."""
+    return index % 4 in (0, 3)
 
 
 @torch.inference_mode()
@@ -192,14 +199,14 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     model.batch_in_situ = []
     larger = [b for b in sizes if b > 1]
     check_ctx = len(prompt) + check_tokens / 2  # the context of a batched decode of `prompt`: compare there
-    # calibration and check passes alternate, back to back per (tree, batch size): the median of the
-    # calibration passes sets the in-situ factors (timed over modeled step, by batch size and tree
-    # size), the median of the check passes checks the calibrated model. A median of several, so
-    # that a slow phase of a shared machine lasting one decode moves neither.
+    # calibration and check passes alternate (`calibration_pass`), back to back per (tree, batch
+    # size): the median of the calibration passes sets the in-situ factors (timed over modeled step,
+    # by batch size and tree size), the median of the check passes checks the calibrated model.
+    # A median of several, so that a slow phase of a shared machine lasting one decode moves neither.
     passes = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress,
                                passes=2 * BATCH_CHECK_PASSES)
-    calib, measured = ({key: statistics.median(p[key] for p in passes[first::2]) for key in passes[0]}
-                       for first in (0, 1))
+    calib, measured = ({key: statistics.median(p[key] for i, p in enumerate(passes) if calibration_pass(i) == kind)
+                        for key in passes[0]} for kind in (True, False))
     model.batch_in_situ = [[1.0] * len(model.verify_rows)] + [
         in_situ_row(model.verify_rows, {k: 1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
                                         for k in timed}, [trees[k].num_nodes for k in range(len(trees))])
