@@ -592,7 +592,8 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
     `batch_methods` in turn (interleaved, so drift of the machine hits all alike), `repeats` rounds
     of that, each group's wall time (`runtime.device.clock`, prefill included) and its prefills'
     time taken as the median over the rounds (a shared machine's stalls last seconds: one short run
-    per group can be off by 10%). Every sequence's tokens, in every round, are checked against
+    per group can be off by 10%), pooled over the methods that decoded the group with the same
+    thing (same code, one figure). Every sequence's tokens, in every round, are checked against
     that prompt's single-sequence AR output (`ar_generate`, once per prompt).
 
     Returns the table (one row per method x B: batch throughput = new tokens of all sequences /
@@ -643,9 +644,15 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
                                            "identical": t == reference[i + j]})
                     else:
                         recs[m, b][i + j]["identical"] &= t == reference[i + j]
+        # methods that decoded this group with the same thing (static per batch size naming batched
+        # AR, or the same tree as one tree for all) ran the same code: their runs are pooled, so that
+        # one decode gets one figure (the median of all its runs) instead of two that differ by noise
+        pooled: dict[str, list[tuple[float, float]]] = {}
         for m in names:
-            seconds[m, b] += statistics.median(t for t, _ in runs[m])
-            prefill[m, b] += statistics.median(p for _, p in runs[m])
+            pooled.setdefault(used[m, b], []).extend(runs[m])
+        for m in names:
+            seconds[m, b] += statistics.median(t for t, _ in pooled[used[m, b]])
+            prefill[m, b] += statistics.median(p for _, p in pooled[used[m, b]])
     out = []
     for b in sizes:
         for m in names:

@@ -86,6 +86,9 @@ def test_a_batch_axis_picks_the_tree_of_the_smallest_measured_batch_size_at_leas
     _check_table(df, PER_BATCH)
     used = df[df.method == PER_BATCH].set_index("batch_size").decoded_with
     assert used[1].startswith("tree 2") and used[2].startswith("tree 0") and used[3] == "AR"
+    # the same decode measured under two labels is one measurement (pooled runs), not two that differ by noise
+    at3 = df[df.batch_size == 3].set_index("method")
+    assert at3.loc[PER_BATCH, "seconds"] == at3.loc[BATCH_AR, "seconds"] and at3.loc[PER_BATCH, "vs_batched_ar"] == 1.0
     assert (df[df.method == ONE_TREE].decoded_with == f"tree {bank.best_static} "
             f"({bank.trees[bank.best_static].num_nodes} nodes)").all()
     # a measured "no tree" also means batched AR
