@@ -200,12 +200,13 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     larger = [b for b in sizes if b > 1]
     check_ctx = len(prompt) + check_tokens / 2  # the context of a batched decode of `prompt`: compare there
     # calibration and check passes alternate (`calibration_pass`), back to back per (tree, batch
-    # size): the median of the calibration passes sets the in-situ factors (timed over modeled step,
-    # by batch size and tree size), the median of the check passes checks the calibrated model.
-    # A median of several, so that a slow phase of a shared machine lasting one decode moves neither.
+    # size): the fastest calibration pass sets the in-situ factors (timed over modeled step, by batch
+    # size and tree size), the fastest check pass checks the calibrated model. The fastest, not the
+    # median: a shared machine only ever slows a pass, and its slow phases last seconds, so two
+    # adjacent passes of one kind (C C in the order) can both be slow, which moves a median of four.
     passes = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress,
                                passes=2 * BATCH_CHECK_PASSES)
-    calib, measured = ({key: statistics.median(p[key] for i, p in enumerate(passes) if calibration_pass(i) == kind)
+    calib, measured = ({key: min(p[key] for i, p in enumerate(passes) if calibration_pass(i) == kind)
                         for key in passes[0]} for kind in (True, False))
     model.batch_in_situ = [[1.0] * len(model.verify_rows)] + [
         in_situ_row(model.verify_rows, {k: 1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
