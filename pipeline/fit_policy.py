@@ -499,39 +499,48 @@ def fit_calibration(values: np.ndarray, depths: np.ndarray, accepted: np.ndarray
 
 
 def fit_dynamic(rollouts: Sequence[dict], super_trees: Sequence[Any], scores: Sequence[Sequence[np.ndarray]],
-                step_ms_for: Any, rank_cap: int | None = None, calibrate: bool = True) -> dict[str, Any]:
+                step_ms_for: Any, rank_cap: int | None = None, calibrate: bool = True,
+                draft_ms_for: Any = None, stop_below: Sequence[float] = (0.0,)) -> dict[str, Any]:
     """EntMTP-dyn fitted by exact replay on the calibration split: for every candidate super-tree
     (`super_trees[s]` with head scores `scores[s]`, per prompt [T, N-1]) and its per-size step costs
     (`step_ms_for(tree)`: ms of a step verifying n = 1..N nodes, drafting the whole super-tree), the
     identity calibration and the one fitted on these rollouts (`fit_calibration`) are replayed
-    (`pipeline.replay.replay_dynamic`); the fastest (replayed tokens/s) is kept.
+    (`pipeline.replay.replay_dynamic`) with each early-stop threshold in `stop_below` (0: draft the
+    whole super-tree; > 0 needs `draft_ms_for(tree)`: ms of drafting it to depth 0..depth); the
+    fastest (replayed tokens/s) is kept.
 
-    Returns {"super_tree": paths, "step_ms": [...], "calibration": dict, "replay": figures,
-    "candidates": [per candidate and calibration: nodes, calibrated, tokens/step, tokens/s]}."""
+    Returns {"super_tree": paths, "step_ms": [...], "draft_ms": [...], "stop_below": threshold,
+    "calibration": dict, "replay": figures, "candidates": [per candidate, calibration and threshold:
+    nodes, calibrated, stop_below, tokens/step, tokens/s]}."""
     from pipeline.replay import replay_dynamic
     from runtime.dynamic import Calibration, DynamicPolicy
     from runtime.tree import Tree
 
     if not super_trees:
         raise ValueError("no candidate super-trees to fit EntMTP-dyn on")
+    thresholds = sorted({float(x) for x in stop_below} | {0.0})
+    if any(x > 0 for x in thresholds) and draft_ms_for is None:
+        raise ValueError("early-stop thresholds need draft_ms_for (the cost of drafting a super-tree to each depth)")
     best: dict[str, Any] | None = None
     candidates = []
     for tree, sc in zip(super_trees, scores):
         t = tree if isinstance(tree, Tree) else Tree(tree)
         costs = [float(c) for c in step_ms_for(t)]
+        drafts = None if draft_ms_for is None else [float(c) for c in draft_ms_for(t)]
         cals: list[dict[str, Any]] = [{}]
         if calibrate:
             v, d, a = calibration_samples(rollouts, sc, t)
             cals.append(fit_calibration(v, d, a, t.depth))
         for cal in cals:
-            pol = DynamicPolicy(t, costs, Calibration.from_dict(cal))
-            rep = replay_dynamic(rollouts, sc, pol, rank_cap)
-            entry = {"nodes": t.num_nodes, "depth": t.depth, "calibrated": bool(cal),
-                     "tokens_per_step": rep.tokens_per_step, "tokens_per_second": rep.tokens_per_second}
-            candidates.append(entry)
-            if best is None or rep.tokens_per_second > best["replay"]["tokens_per_second"] * (1 + 1e-9):
-                best = {"super_tree": [list(p) for p in t.paths], "step_ms": costs, "calibration": cal,
-                        "replay": rep.summary()}
+            for stop in thresholds if t.depth > 1 else (0.0,):
+                pol = DynamicPolicy(t, costs, Calibration.from_dict(cal), draft_ms=drafts, stop_below=stop)
+                rep = replay_dynamic(rollouts, sc, pol, rank_cap)
+                entry = {"nodes": t.num_nodes, "depth": t.depth, "calibrated": bool(cal), "stop_below": stop,
+                         "tokens_per_step": rep.tokens_per_step, "tokens_per_second": rep.tokens_per_second}
+                candidates.append(entry)
+                if best is None or rep.tokens_per_second > best["replay"]["tokens_per_second"] * (1 + 1e-9):
+                    best = {"super_tree": [list(p) for p in t.paths], "step_ms": costs, "draft_ms": drafts,
+                            "stop_below": stop, "calibration": cal, "replay": rep.summary()}
     assert best is not None
     best["candidates"] = candidates
     return best

@@ -642,12 +642,15 @@ class DynamicReplay:
     visited: list[np.ndarray]              # per prompt: step indices visited
     accepted: list[np.ndarray]             # per prompt: accepted length at each visited step
     nodes: list[np.ndarray]                # per prompt: nodes verified at each visited step
+    depth_steps: np.ndarray                # [depth + 1]: steps that drafted the super-tree to depth d
 
     def summary(self) -> dict[str, Any]:
         used = {int(n): int(c) for n, c in enumerate(self.node_steps) if c}
+        drafted = {int(d): int(c) for d, c in enumerate(self.depth_steps) if c}
         return {"steps": self.steps, "tokens": self.tokens, "tokens_per_step": self.tokens_per_step,
                 "time_s": self.time_s, "tokens_per_second": self.tokens_per_second,
-                "mean_nodes": float(sum(n * c for n, c in used.items()) / max(self.steps, 1)), "nodes_used": used}
+                "mean_nodes": float(sum(n * c for n, c in used.items()) / max(self.steps, 1)), "nodes_used": used,
+                "drafted_depths": drafted}
 
 
 def _super_index(policy: Any) -> dict[Path, int]:
@@ -664,7 +667,9 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
     (`pipeline.rollout.score_prompt`). At each visited step i the policy's own `select` picks the
     subset from those probabilities (the same float32 operations as in a decode), the step accepts
     the longest prefix of R[i] that is a node of the subset, and costs `policy.step_ms[n-1]` ms
-    for n nodes. Counting as everywhere here (module docstring): tokens per step = sum(T - 1) /
+    for n nodes; with `policy.stop_below`, the depth a decode drafts to (`drafted_depth`: the same
+    per-depth rule a decode applies as it drafts) bounds the subset and prices the step
+    (`step_costs`). Counting as everywhere here (module docstring): tokens per step = sum(T - 1) /
     steps, tokens per second = the same tokens / the summed step costs.
     `exact_costs=False` leaves time out (tokens per step only)."""
     import torch
@@ -680,10 +685,11 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
     if policy.depth > rolls[0]["rank_paths"].shape[1]:
         raise ValueError(f"the super-tree has depth {policy.depth} but the rank paths cover {rolls[0]['rank_paths'].shape[1]} heads")
     N = policy.num_nodes
-    cost = list(policy.step_ms)
+    costs = [policy.step_costs(d) for d in range(policy.depth + 1)]
     steps = tokens = 0
     time_ms = 0.0
     node_steps = np.zeros(N + 1, dtype=np.int64)
+    depth_steps = np.zeros(policy.depth + 1, dtype=np.int64)
     visited, accepted, nodes = [], [], []
     one = torch.ones(1, dtype=torch.float32)
     for n, (r, sc) in enumerate(zip(rolls, scores)):
@@ -697,7 +703,9 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
         vis, acc, nod = [], [], []
         i = 0
         while i < T - 1:
-            keep, k, _ = policy.select(torch.cat([one, probs[i]]))
+            prob = torch.cat([one, probs[i]])
+            drafted = policy.drafted_depth(prob)
+            keep, k, _ = policy.select(prob, drafted)
             kept = keep.tolist()
             a = 0
             for d in range(1, R.shape[1] + 1):
@@ -710,7 +718,8 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
             acc.append(a)
             nod.append(size)
             node_steps[size] += 1
-            time_ms += cost[size - 1]
+            depth_steps[drafted] += 1
+            time_ms += costs[drafted][size - 1]
             i += a + 1
         steps += len(vis)
         tokens += max(T - 1, 0)
@@ -721,7 +730,7 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
         raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
     secs = time_ms / 1000 if exact_costs else None
     return DynamicReplay(steps, tokens, tokens / steps, secs, tokens / secs if secs else None, node_steps, visited,
-                         accepted, nodes)
+                         accepted, nodes, depth_steps)
 
 
 def compare_dynamic_steps(replay: DynamicReplay, prompt: int, accepted_real: Sequence[int], nodes_real: Sequence[int],

@@ -354,6 +354,10 @@ class DynamicConfig:
     # the calibration rollout is scored once per candidate, the best replayed one is kept
     super_sizes: List[int] = field(default_factory=lambda: [8, 16, 32, 62])
     calibrate: bool = True             # also try a per-depth monotone calibration fitted on the calibration split
+    # early-stop thresholds tried by the fit: a step stops drafting after the first depth whose best
+    # calibrated node value is below the threshold, and pays only the depths it drafted; 0 always
+    # drafts the whole super-tree (and is always tried)
+    stop_below: List[float] = field(default_factory=lambda: [0.0, 0.2, 0.3, 0.4, 0.5])
 
 
 @dataclass

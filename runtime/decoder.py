@@ -114,6 +114,7 @@ class StepRecord:
     seconds: float     # wall time of the whole step (choose + draft + verify + accept)
     signal: float      # the value the policy saw (nan for a fixed schedule and a DynamicPolicy)
     nodes: int = 0     # nodes verified in this step (the tree's size)
+    depth: int = -1    # the depth a DynamicPolicy drafted its super-tree to (-1: a bank tree's step)
 
 
 @dataclass
@@ -145,12 +146,15 @@ class GenerationResult:
     def stats(self) -> dict[str, float | int | dict[int, int]]:
         used: dict[int, int] = {}
         dynamic: dict[int, int] = {}
+        drafted: dict[int, int] = {}
         for s in self.steps:
             if s.tree == DYNAMIC_TREE:
                 dynamic[s.nodes] = dynamic.get(s.nodes, 0) + 1
+                drafted[s.depth] = drafted.get(s.depth, 0) + 1
             else:
                 used[s.tree] = used.get(s.tree, 0) + 1
-        extra = {"dynamic_nodes": dict(sorted(dynamic.items()))} if dynamic else {}
+        extra = ({"dynamic_nodes": dict(sorted(dynamic.items())), "dynamic_drafted_depths": dict(sorted(drafted.items()))}
+                 if dynamic else {})
         return {
             "new_tokens": len(self.tokens),
             "steps": len(self.steps),
@@ -439,6 +443,7 @@ class TreeDecoder:
         if tree is None and isinstance(seq.choose, DynamicPolicy):
             seq.tree, seq.signal = DYNAMIC_TREE, math.nan
             seq.buf, seq.drafted = seq.choose.draft(self.heads, seq.h, seq.root)
+            seq.depth = seq.choose.last_drafted
             return False
         if tree is not None:
             seq.tree = tree
@@ -496,7 +501,7 @@ class TreeDecoder:
             if seq.reads_logits:
                 seq.p0, seq.entropy = _p0_and_entropy(*host[-2:])
         seq.result.steps.append(StepRecord(k, accepted, time.perf_counter() - seq.step_t0, seq.signal,
-                                           buf.num_nodes))
+                                           buf.num_nodes, seq.depth if k == DYNAMIC_TREE else -1))
         if seq.stream:
             seq.stream(out)
         seq.done = seq.root in seq.eos or len(seq.result.tokens) >= seq.max_new_tokens
@@ -526,6 +531,7 @@ class _Sequence:
     signal: float = math.nan
     start: int = 0
     drafted: torch.Tensor | None = None
+    depth: int = -1                           # the depth a DynamicPolicy drafted to this step
     step_t0: float = 0.0
 
     @property

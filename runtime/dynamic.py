@@ -14,13 +14,20 @@ values; this is that idea on top of tree heads, kept cheap and lossless:
    root's bonus) + the sum of the other n-1 estimates; the policy keeps the n that maximises
    expected tokens / step_ms[n-1] (`step_ms`: the modeled cost of a step verifying n nodes,
    drafting S included);
-4. the chosen subset's buffers (`TreeBuffers.subset`) are cached by the subset's bitmask, so a
+4. optionally (`stop_below` > 0) S is drafted depth by depth, and the drafting stops after depth d
+   when no node at depth d is worth `stop_below` (its calibrated value): deeper nodes, whose
+   values can only be lower, are then neither drafted nor verified, and the step's cost is that of
+   drafting d levels (`draft_ms[d]` in place of `draft_ms[depth]` inside step_ms). This costs one
+   host synchronisation per drafted depth and saves the deeper heads on steps where the heads are
+   unsure, the steps a small tree serves as well as a big one;
+5. the chosen subset's buffers (`TreeBuffers.subset`) are cached by the subset's bitmask, so a
    subset seen before costs a dictionary look-up; a new one is compiled once.
 
 Verification does not care which tree it checks, so the output stays exactly AR's (greedy or
 seeded sampling), as for the bank's trees.
 
     policy = DynamicPolicy(super_tree, step_ms, calibration)   # a Tree of <= 63 nodes; one cost per size
+    policy = DynamicPolicy(super_tree, step_ms, calibration, draft_ms=draft_ms, stop_below=0.3)  # early stop
     decoder.generate(prompt, 128, choose=policy)               # every step: draft S, pick a subset, verify it
     decoder.generate_batch(prompts, 128, choose=policy)        # one policy serves every sequence
 """
@@ -131,14 +138,18 @@ class DynamicPolicy:
     deeper than the heads. `step_ms`: step_ms[n-1] is the cost of a step verifying an n-node tree,
     for n = 1..S.num_nodes (any positive unit; only ratios matter), including S's drafting.
     `calibration`: a `Calibration` or its dict (None: identity). `cache_size`: the most subsets
-    kept compiled (the oldest is dropped past it).
+    kept compiled (the oldest is dropped past it). `draft_ms`: draft_ms[d] is the cost of drafting
+    S down to depth d, d = 0..S.depth (draft_ms[S.depth] is the drafting inside step_ms), needed
+    when `stop_below` > 0: drafting stops after the first depth whose best calibrated value is
+    below it (module docstring, step 4); 0 drafts the whole super-tree every step.
 
     Stateless between steps apart from the subset cache, so one policy may serve every sequence of
     a batch (each gets its own subset every step) and several decodes; `hits` / `misses` count the
     cache's look-ups (`hit_rate`)."""
 
     def __init__(self, super_tree: Tree | TreeBuffers, step_ms: Sequence[float],
-                 calibration: Calibration | Mapping[str, Any] | None = None, cache_size: int = 4096) -> None:
+                 calibration: Calibration | Mapping[str, Any] | None = None, cache_size: int = 4096,
+                 draft_ms: Sequence[float] | None = None, stop_below: float = 0.0) -> None:
         if isinstance(super_tree, Tree):
             super_tree = TreeBuffers.compile(super_tree)
         if not isinstance(super_tree, TreeBuffers):
@@ -157,11 +168,31 @@ class DynamicPolicy:
             raise TypeError(f"calibration must be a Calibration, its dict or None, got {type(calibration).__name__}")
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
             raise ValueError(f"cache_size must be an int >= 1, got {cache_size!r}")
+        stop_below = float(stop_below)
+        if not (math.isfinite(stop_below) and 0.0 <= stop_below <= 1.0):
+            raise ValueError(f"stop_below must lie in [0, 1] (a calibrated acceptance estimate), got {stop_below}")
+        depth = super_tree.depth
+        if draft_ms is None:
+            if stop_below > 0:
+                raise ValueError("stop_below > 0 needs draft_ms (the cost of drafting the super-tree to each depth) "
+                                 "to price a step that stops early")
+            drafts = [0.0] * (depth + 1)
+        else:
+            drafts = [float(c) for c in draft_ms]
+            if len(drafts) != depth + 1 or not all(math.isfinite(c) and c >= 0 for c in drafts):
+                raise ValueError(f"draft_ms needs one non-negative, finite cost per drafted depth 0..{depth}, "
+                                 f"got {len(drafts)} values")
+            if any(b < a for a, b in zip(drafts, drafts[1:])) or drafts[-1] >= min(costs):
+                raise ValueError(f"draft_ms {drafts} must not decrease with depth, and drafting the whole super-tree "
+                                 f"must cost less than the cheapest step ({min(costs)}): it is part of step_ms")
         self.step_ms = costs
+        self.draft_ms = drafts
+        self.stop_below = stop_below
         self.calibration = calibration
         self.cache_size = cache_size
         self.hits = 0
         self.misses = 0
+        self.last_drafted = depth  # the depth the last `draft` drafted S to
         self._super = super_tree
         self._device: torch.device | None = None
         self._bind(super_tree.depths.device)
@@ -184,7 +215,9 @@ class DynamicPolicy:
         self._super = self._super.to(device)
         self._device = self._super.depths.device
         dev = self._device
-        self._cost = torch.tensor(self.step_ms, dtype=torch.float32, device=dev)
+        # _cost[d]: step costs [N] when the drafting stopped after depth d (row `depth`: step_ms)
+        self._cost = torch.tensor([self.step_costs(d) for d in range(self.depth + 1)], dtype=torch.float32,
+                                  device=dev)
         self._arange = torch.arange(self.num_nodes, device=dev)
         self._bits = torch.ones(self.num_nodes, dtype=torch.long, device=dev) << self._arange
         self._cache: dict[int, _Subset] = {}
@@ -196,6 +229,11 @@ class DynamicPolicy:
             raise ValueError(f"the super-tree has depth {self.depth} but the heads draft only {num_heads} tokens")
         if torch.device(device) != self._device:
             self._bind(torch.device(device))
+
+    def step_costs(self, drafted: int) -> list[float]:
+        """Costs of a step verifying n = 1..N nodes when S was drafted down to depth `drafted`."""
+        saved = self.draft_ms[self.depth] - self.draft_ms[drafted]
+        return [c - saved for c in self.step_ms]
 
     def reset_stats(self) -> None:
         self.hits = self.misses = 0
@@ -222,18 +260,36 @@ class DynamicPolicy:
             path[0] = 1.0
         return torch.where(mask, path, 1.0).amin(dim=1)
 
-    def _rank(self, node_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def stops_after(self, depth: int, node_prob: torch.Tensor) -> bool:
+        """Whether drafting stops after `depth`: no node at that depth has a calibrated value of
+        `stop_below` or more. Reads only node_prob down to `depth` (a value depends on its path
+        alone), so a decode that has drafted that far and a replay that holds every depth decide
+        alike. One host synchronisation."""
+        if self.stop_below <= 0.0 or depth >= self.depth:
+            return False
+        start, end = self._super.depth_slices[depth - 1]
+        return bool(self.values(node_prob)[start:end].max() < self.stop_below)
+
+    def drafted_depth(self, node_prob: torch.Tensor) -> int:
+        """The depth a decode drafts S to, given every node's probability (a replay's view)."""
+        return next((d for d in range(1, self.depth) if self.stops_after(d, node_prob)), self.depth)
+
+    def _rank(self, node_prob: torch.Tensor, drafted: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(values [N], nodes by decreasing value [N], n - 1 [1]) on the device (see `select`)."""
         vals = self.values(node_prob)
+        if drafted < self.depth:   # nodes not drafted are never verified
+            vals = vals.masked_fill(self._super.depths > drafted, -math.inf)
         ranked, order = torch.sort(vals, descending=True, stable=True)    # the root (1.0, index 0) first
-        last = (ranked.cumsum(0) / self._cost).argmax(dim=0, keepdim=True)
+        last = (ranked.cumsum(0) / self._cost[drafted]).argmax(dim=0, keepdim=True)
         return vals, order, last
 
-    def select(self, node_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def select(self, node_prob: torch.Tensor, drafted: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keep [N] bool, n [1] int64, values [N]) on the device: the n nodes with the highest
         `values` (ties: the lower node index first, so a parent before its child), n maximising
-        (1 + sum of the n-1 best non-root values) / step_ms[n-1] (ties: the smaller n)."""
-        vals, order, last = self._rank(node_prob)
+        (1 + sum of the n-1 best non-root values) / step cost of n nodes (ties: the smaller n).
+        `drafted`: the depth S was drafted to (default: all of it); deeper nodes are left out and
+        the step costs `step_costs(drafted)`."""
+        vals, order, last = self._rank(node_prob, self.depth if drafted is None else drafted)
         rank = torch.empty_like(order)
         rank[order] = self._arange
         return rank <= last, last + 1, vals
@@ -262,13 +318,25 @@ class DynamicPolicy:
         `root` and choose its subset, as `select` does; (the subset's buffers, its tokens [n]).
 
         The subset's bitmask is the sum of its nodes' bits, taken along the ranking; reading it
-        is the step's one host synchronisation here, and a cache hit needs nothing else."""
-        tokens, node_prob = heads.propose_scored(h, root, self._super)
-        _, order, last = self._rank(node_prob)
+        is the step's one host synchronisation here (with `stop_below`, one more per depth drafted
+        before the last), and a cache hit needs nothing else."""
+        drafted = self.depth
+
+        def stop(d: int, prob: torch.Tensor) -> bool:
+            nonlocal drafted
+            if self.stops_after(d, prob):
+                drafted = d
+                return True
+            return False
+
+        tokens, node_prob = heads.propose_scored(h, root, self._super, stop if self.stop_below > 0 else None)
+        self.last_drafted = drafted
+        _, order, last = self._rank(node_prob, drafted)
         key = int(self._bits[order].cumsum(0)[last])
         entry = self._lookup(key, lambda: order[: int(last) + 1].sort().values)
         return entry.buffers, tokens.index_select(0, entry.idx)
 
     def __repr__(self) -> str:
-        return (f"DynamicPolicy(super-tree {self.num_nodes} nodes, depth {self.depth}, {self.calibration!r}, "
+        stop = f", stop below {self.stop_below:g}" if self.stop_below > 0 else ""
+        return (f"DynamicPolicy(super-tree {self.num_nodes} nodes, depth {self.depth}, {self.calibration!r}{stop}, "
                 f"cache {len(self._cache)}/{self.cache_size})")

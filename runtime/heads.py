@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -436,22 +436,32 @@ class DraftHeads(nn.Module):
         return self._draft_tree(h, roots, buffers, None)
 
     @torch.no_grad()
-    def propose_scored(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers) -> tuple[Tensor, Tensor]:
+    def propose_scored(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers,
+                       stop_after: Callable[[int, Tensor], bool] | None = None) -> tuple[Tensor, Tensor]:
         """`propose`, plus each node's head probability: (tokens [N], node_prob [N] float32), where
         node_prob[i] is softmax of the logits of the head that drafted node i (at its parent, as
         `propose` runs it) at node i's token, over the head's output vocabulary; the root's is 1.
 
         A dynamic tree policy multiplies these along each path (EAGLE-2's path value) to choose,
         every step, which nodes of a super-tree to verify (`runtime.dynamic`). Same work as
-        `propose` plus one softmax pass over each head's logits; still no host synchronisation."""
+        `propose` plus one softmax pass over each head's logits; no host synchronisation unless
+        `stop_after` synchronises.
+
+        `stop_after(d, node_prob)`, when given, is asked after each depth d < the tree's depth, with
+        node_prob [N] filled down to depth d; True ends the drafting there: deeper nodes are not
+        drafted (their node_prob is 0 and their tokens are undefined). Hydra heads then skip the
+        deeper heads' work; Medusa heads draft every depth in one product, so only the answer is
+        the same."""
         node_prob = torch.ones(1, buffers.num_nodes, dtype=torch.float32, device=h.device)
-        return self._draft_tree(h.reshape(1, -1), root_token, buffers, node_prob)[0], node_prob[0]
+        tokens = self._draft_tree(h.reshape(1, -1), root_token, buffers, node_prob, stop_after)[0]
+        return tokens, node_prob[0]
 
     def _draft_tree(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers,
-                    node_prob: Tensor | None) -> Tensor:
+                    node_prob: Tensor | None, stop_after: Callable[[int, Tensor], bool] | None = None) -> Tensor:
         """The drafting behind the `propose*` methods, for B sequences (h [B, dim], roots an int or
         [B]) drafting one tree: tokens [B, N]; fills node_prob[:, 1:] ([B, N]) when given. The
-        rows of all B sequences go through each head product together."""
+        rows of all B sequences go through each head product together. `stop_after` (B = 1 and
+        node_prob given): see `propose_scored`."""
         depth = len(buffers.depth_slices)
         if depth > self.config.num_heads:
             raise ValueError(f"the tree has depth {depth} but the heads draft only {self.config.num_heads} tokens")
@@ -477,6 +487,10 @@ class DraftHeads(nn.Module):
             tokens[:, 1:] = picked if self.draft_ids is None else self.draft_ids[picked]
             if node_prob is not None:  # one fused softmax pass (about half of a log-sum-exp's cost)
                 node_prob[:, 1:] = torch.softmax(logits.float(), dim=-1)[seqs, buffers.draft_heads, picked]
+                for d in range(1, depth) if stop_after is not None else ():
+                    if stop_after(d, node_prob[0]):
+                        node_prob[:, buffers.depth_slices[d][0]:] = 0.0
+                        break
             return tokens
 
         # Hydra: inputs[s, i] = concat(h_s, e(root_s), e(tokens on node i's path)) for nodes of depth d-1
@@ -494,6 +508,9 @@ class DraftHeads(nn.Module):
                 probs = torch.softmax(logits.float(), dim=-1).view(b, u, -1)
                 node_prob[:, start:end] = probs[seqs, buffers.parent_inverse[d - 1], picked]
             if d < depth:
+                if stop_after is not None and stop_after(d, node_prob[0]):
+                    node_prob[:, end:] = 0.0
+                    break
                 inputs = torch.cat([inputs.index_select(1, buffers.parent_slots[d - 1]), self.embed(tok)], dim=-1)
         return tokens
 

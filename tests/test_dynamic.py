@@ -30,6 +30,8 @@ SUPER = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 0
               (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (1, 0, 0, 0)])
 # a gentle cost slope: the tiny random heads' path values then pick anywhere from 1 to ~6 nodes
 GENTLE = [1.0 + 0.02 * k for k in range(SUPER.num_nodes)]
+# the part of GENTLE that drafts SUPER down to depth 0..4, for the early-stop policy
+DRAFTS = [0.0, 0.1, 0.2, 0.3, 0.4]
 
 
 @pytest.fixture(autouse=True)
@@ -219,6 +221,42 @@ def test_draft_verifies_the_selected_subset_and_caches_it(kind: str) -> None:
     assert policy.hits + policy.misses == 24 and policy.misses == len(policy._cache)
 
 
+@pytest.mark.parametrize("kind", ["hydra", "medusa"])
+def test_early_stop_drafts_to_the_depth_a_replay_computes(kind: str) -> None:
+    """With stop_below, a decode drafts S depth by depth and stops after the first depth with no
+    node worth the threshold: the depth, subset and tokens are those the replay's view (every
+    depth's probabilities) gives, Hydra's deeper heads never run, and the step is priced by the
+    depths drafted."""
+    model = tiny_model(4)
+    heads = tiny_heads(model, kind, seed=4)
+    policy = DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS, stop_below=0.5)
+    full = policy.super_tree
+    calls: list[int] = []
+    blocks = heads._blocks
+    heads._blocks = lambda d, x: (calls.append(d), blocks(d, x))[1]  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(5)
+    depths = []
+    for step in range(12):
+        h = torch.randn(1, model.args.dim, generator=g) * (0.5 + step)
+        calls.clear()
+        buf, tokens = policy.draft(heads, h, 3)
+        ran = list(calls)
+        all_tokens, prob = heads.propose_scored(h, 3, full)
+        d = policy.drafted_depth(prob)
+        depths.append(d)
+        assert policy.last_drafted == d
+        keep, n, _ = policy.select(prob, d)
+        idx = keep.nonzero().flatten()
+        assert buf.num_nodes == int(n) and torch.equal(tokens, all_tokens[idx])
+        assert int(full.depths[idx].max()) <= d
+        if kind == "hydra":
+            assert ran == list(range(1, d + 1)), f"drafted to depth {d} but ran the heads of depths {ran}"
+    assert len(set(depths)) >= 3, f"every step drafted to depths {set(depths)}: the test exercised little"
+    assert policy.step_costs(1) == pytest.approx([c - 0.3 for c in GENTLE])
+    assert policy.step_costs(4) == GENTLE
+    assert "stop below 0.5" in repr(policy)
+
+
 def test_calibration_interpolates_per_depth_and_checks_its_knots() -> None:
     cal = CALIBRATIONS[1]
     v = torch.tensor([0.0, 0.03, 0.05, 0.5, 1.0, 0.3, 0.07])
@@ -243,6 +281,14 @@ def test_policy_checks_its_inputs() -> None:
         DynamicPolicy(SUPER, [1.0] * 15 + [0.0])
     with pytest.raises(TreeError, match="at most 63"):
         DynamicPolicy(Tree([(k,) for k in range(63)]), [1.0] * 64)
+    with pytest.raises(ValueError, match="needs draft_ms"):
+        DynamicPolicy(SUPER, GENTLE, stop_below=0.5)
+    with pytest.raises(ValueError, match="per drafted depth 0..4"):
+        DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS[:4], stop_below=0.5)
+    with pytest.raises(ValueError, match="must not decrease"):
+        DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS[::-1], stop_below=0.5)
+    with pytest.raises(ValueError, match=r"stop_below must lie in \[0, 1\]"):
+        DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS, stop_below=1.5)
     model = tiny_model()
     dec = TreeDecoder(model, tiny_heads(model, "hydra", num_heads=2), [TreeBuffers.compile(Tree.chain(2))])
     with pytest.raises(ValueError, match="depth 4 but the heads draft only 2"):
@@ -252,13 +298,14 @@ def test_policy_checks_its_inputs() -> None:
 # --- decoding ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stop", [0.0, 0.1], ids=["whole", "early-stop"])
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
 @pytest.mark.parametrize("kind", ["hydra", "medusa"])
-def test_dynamic_generate_is_ar(arithmetic: str, kind: str) -> None:
+def test_dynamic_generate_is_ar(arithmetic: str, kind: str, stop: float) -> None:
     model = _model(arithmetic)
     dec = _decoder(model, kind)
-    policy = DynamicPolicy(SUPER, GENTLE)
-    sizes, accepted, steps = set(), 0, 0
+    policy = DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS, stop_below=stop)
+    sizes, depths, accepted, steps = set(), set(), 0, 0
     for p in _prompts(4, seed=1):
         res = dec.generate(p, 32, choose=policy)
         assert res.tokens == ar_greedy(model, p, 32)
@@ -268,8 +315,11 @@ def test_dynamic_generate_is_ar(arithmetic: str, kind: str) -> None:
         steps += len(res.steps)
         stats = res.stats()
         assert sum(stats["dynamic_nodes"].values()) == len(res.steps) and not stats["trees_used"]
+        depths |= set(stats["dynamic_drafted_depths"])
     assert accepted > 0, "no draft was ever accepted: the test exercised nothing but the root"
-    assert len(sizes) >= 2, f"every step verified {sizes} nodes: the policy never changed the tree"
+    assert len(sizes) >= 2 or len(depths) >= 2, f"every step verified {sizes} nodes drafted to depth {depths}: the " \
+                                                "policy never changed the tree"
+    assert depths == {SUPER.depth} if not stop else min(depths) < SUPER.depth
     assert policy.hits + policy.misses == steps and policy.misses == policy.stats()["cached"]
 
 

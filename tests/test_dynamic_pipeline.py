@@ -20,7 +20,7 @@ from runtime.decoder import TreeDecoder
 from runtime.dynamic import DYNAMIC_TREE, Calibration, DynamicPolicy
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import make_bank, tiny_heads, torch_threads
-from tests.test_dynamic import ARITHMETICS, GENTLE, SUPER, _model, _prompts
+from tests.test_dynamic import ARITHMETICS, DRAFTS, GENTLE, SUPER, _model, _prompts
 
 K = 10        # rank cap of the tiny rollouts
 NEW = 30      # new tokens per prompt
@@ -63,8 +63,8 @@ def test_scores_are_the_probabilities_a_decode_sees(arithmetic: str, kind: str) 
     seen: list[torch.Tensor] = []
     scored = heads.propose_scored
 
-    def spy(h, root, buf):  # noqa: ANN001, ANN202
-        tokens, prob = scored(h, root, buf)
+    def spy(h, root, buf, stop_after=None):  # noqa: ANN001, ANN202
+        tokens, prob = scored(h, root, buf, stop_after)
         seen.append(prob.clone())
         return tokens, prob
 
@@ -111,19 +111,22 @@ def test_scores_round_trip_and_refuse_another_rollout(tmp_path: Path) -> None:
 
 CALS = {"identity": Calibration(),
         "per-depth": Calibration(xs=[[0.0, 0.5, 1.0], [0.0, 0.2, 1.0]], ys=[[0.0, 0.1, 0.6], [0.0, 0.02, 0.3]])}
+STOPS = {"identity": 0.1, "per-depth": 0.03}
 
 
+@pytest.mark.parametrize("stop", [False, True], ids=["whole", "early-stop"])
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
 @pytest.mark.parametrize("cal", list(CALS))
-def test_replay_equals_real_decodes_step_by_step(arithmetic: str, cal: str) -> None:
+def test_replay_equals_real_decodes_step_by_step(arithmetic: str, cal: str, stop: bool) -> None:
     """Recalibrate's check for EntMTP-dyn: on every step of real decodes, the replay from the rank
-    paths and head scores visits the same step index, picks a subset of the same size and accepts
-    the same length; tokens per step agree in total."""
+    paths and head scores visits the same step index, drafts to the same depth, picks a subset of
+    the same size and accepts the same length; tokens per step and modeled time agree in total."""
     model = _model(arithmetic)
     heads = tiny_heads(model, "hydra")
     prompts = _prompts(5, seed=1)
     rolls, (scores,) = _rollouts(model, heads, prompts, [SUPER])
-    policy = DynamicPolicy(SUPER, GENTLE, CALS[cal])
+    # thresholds that make these tiny heads stop at different depths under each calibration
+    policy = DynamicPolicy(SUPER, GENTLE, CALS[cal], draft_ms=DRAFTS, stop_below=STOPS[cal] if stop else 0.0)
     replay = replay_dynamic(rolls, scores, policy)
     real = _real_decodes(model, heads, prompts, policy)
     compared = 0
@@ -139,9 +142,13 @@ def test_replay_equals_real_decodes_step_by_step(arithmetic: str, cal: str) -> N
     assert replay.steps == sum(len(r.steps) for r in real) == compared
     assert replay.tokens_per_step == pytest.approx(sum(len(r.tokens) - 1 for r in real) / compared)
     assert len(sizes) >= 2, f"every step verified {sizes} nodes: the test exercised little"
-    # modeled time: one cost per step, by its size
-    want = sum(GENTLE[s.nodes - 1] for r in real for s in r.steps) / 1000
+    # modeled time: one cost per step, by its size and the depth it drafted to
+    want = sum(policy.step_costs(s.depth)[s.nodes - 1] for r in real for s in r.steps) / 1000
     assert replay.time_s == pytest.approx(want)
+    depths = np.bincount([s.depth for r in real for s in r.steps], minlength=SUPER.depth + 1)
+    assert replay.depth_steps.tolist() == depths.tolist()
+    if stop:
+        assert np.count_nonzero(depths) >= 2, f"every step drafted to the same depth {depths}: the test exercised little"
 
 
 def test_replay_refuses_scores_of_another_shape() -> None:
@@ -198,11 +205,14 @@ def test_fit_dynamic_keeps_the_fastest_candidate() -> None:
     small = Tree([(0,), (1,), (0, 0)])
     rolls, scores = _rollouts(model, heads, _prompts(4, seed=3), [small, SUPER])
     cost = lambda t: [1.0 + 0.02 * k for k in range(t.num_nodes)]  # noqa: E731
-    fit = fit_dynamic(rolls, [small, SUPER], scores, cost)
-    assert len(fit["candidates"]) == 4   # two trees, identity and fitted calibration each
+    fit = fit_dynamic(rolls, [small, SUPER], scores, cost, draft_ms_for=lambda t: [0.01 * d for d in range(t.depth + 1)],
+                      stop_below=[0.3])
+    assert len(fit["candidates"]) == 8   # two trees, identity and fitted calibration, drafting all or stopping
+    assert {c["stop_below"] for c in fit["candidates"]} == {0.0, 0.3}
     best = max(c["tokens_per_second"] for c in fit["candidates"])
     assert fit["replay"]["tokens_per_second"] == pytest.approx(best)
-    pol = DynamicPolicy(Tree(fit["super_tree"]), fit["step_ms"], fit["calibration"])
+    pol = DynamicPolicy(Tree(fit["super_tree"]), fit["step_ms"], fit["calibration"], draft_ms=fit["draft_ms"],
+                        stop_below=fit["stop_below"])
     s = [Tree(fit["super_tree"])] == [small]
     again = replay_dynamic(rolls, scores[0 if s else 1], pol)
     assert again.tokens_per_second == pytest.approx(best)
@@ -215,6 +225,7 @@ class _Costs:
     """A stand-in for the time stage's StepCostModel with its interface (draft, verify, fixed)."""
 
     in_situ = 1.0
+    kind = "hydra"
     verify_rows = [1, 2, 4, 8, 16, 32, 64]
 
     def draft(self, tree: Tree) -> float:

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_bank_stage_fits_and_stores_entmtp_dyn(bundle: TinyBundle, tmp_path: Path) -> None:
     from pipeline import graph
+    from pipeline.schema import DynamicConfig
 
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
@@ -38,10 +39,14 @@ def test_bank_stage_fits_and_stores_entmtp_dyn(bundle: TinyBundle, tmp_path: Pat
     dyn = doc["dynamic"]
     assert dyn is not None and dyn["super_tree"] in [[list(p) for p in t] for t in scores["super_trees"]]
     assert len(dyn["step_ms"]) == len(dyn["super_tree"]) + 1
-    assert dyn["replay"]["share_of_oracle"] > 0 and len(dyn["candidates"]) == 4
+    # every candidate with the identity and the fitted calibration, and (deeper than 1) each early stop
+    grid = sorted(set(DynamicConfig().stop_below) | {0.0})
+    assert len(dyn["candidates"]) == sum(2 * (len(grid) if Tree(t).depth > 1 else 1) for t in scores["super_trees"])
+    assert dyn["replay"]["share_of_oracle"] > 0 and dyn["stop_below"] in grid
+    assert len(dyn["draft_ms"]) == Tree(dyn["super_tree"]).depth + 1
     bank = TopologyBank.load(bank_dir)
     policy = bank.dynamic_policy()
-    assert policy.super_tree.to_tree() == Tree(dyn["super_tree"])
+    assert policy.super_tree.to_tree() == Tree(dyn["super_tree"]) and policy.stop_below == dyn["stop_below"]
 
     model = load_model(bundle.model_dir, max_seq_len=256)
     model.set_row_invariance(4)

@@ -25,7 +25,7 @@ def build_bank(
 ) -> dict[str, Any]:
     """Write the bank into `out`. `dynamic` (None: no EntMTP-dyn): {"scores_dir": the head scores of
     the calibration rollout (`pipeline.rollout.load_scores`), "cost_model": the time stage's
-    `StepCostModel`, "calibrate": bool}; EntMTP-dyn is fitted on them (`pipeline.bank.dynamic`)."""
+    `StepCostModel`, "calibrate": bool, "stop_below": thresholds}; EntMTP-dyn is fitted on them (`pipeline.bank.dynamic`)."""
     from pipeline.fit_policy import fit_all_policies
 
     # pruned trees cannot pay for their cost (most were not checked by a timed decode either)
@@ -75,7 +75,7 @@ def build_bank(
 
         dyn = build_dynamic(rollouts, load_scores(dynamic["scores_dir"], rollouts), dynamic["cost_model"],
                             timing["cost_model"]["reference_context"], fitted["oracle"].get("tokens_per_second"),
-                            calibrate=bool(dynamic.get("calibrate", True)))
+                            calibrate=bool(dynamic.get("calibrate", True)), stop_below=dynamic.get("stop_below", (0.0,)))
     bank = TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
                         oracle=fitted["oracle"], provenance={**provenance, "fit": {n: f.get("replay") for n, f in fitted["policies"].items()},
                                                               "ar_tok_per_s": timing["ar_tok_per_s"]},

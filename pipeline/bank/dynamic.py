@@ -1,8 +1,9 @@
 """EntMTP-dyn in the bank: which super-trees are scored, what a dynamic step costs, and the fit.
 
-A DynamicPolicy (`runtime.dynamic`) drafts its whole super-tree S every step and verifies the n
-nodes it picks, so a step verifying n nodes costs draft(S) + verify(n) + fixed (the time stage's
-`StepCostModel`, at the bank's reference context). Candidate super-trees are the grow frontier's
+A DynamicPolicy (`runtime.dynamic`) drafts its super-tree S every step and verifies the n nodes it
+picks, so a step verifying n nodes costs draft(S) + verify(n) + fixed (the time stage's
+`StepCostModel`, at the bank's reference context); one that stops drafting after depth d
+(`dynamic.stop_below`) pays draft(S to depth d) instead. Candidate super-trees are the grow frontier's
 trees at its deepest max depth and the sizes `dynamic.super_sizes` (draft nodes), at most
 MAX_SUPER_NODES nodes (a subset is keyed by a bitmask in one int64) and no more rows than the cost
 model measured (past them its verify cost is only extrapolated). The calibration rollout is scored
@@ -63,16 +64,32 @@ def dynamic_step_ms(cost_model: Any, super_tree: Tree, context: float) -> list[f
     return out
 
 
+def dynamic_draft_ms(cost_model: Any, super_tree: Tree) -> list[float]:
+    """ms of drafting `super_tree` down to depth d = 0..depth (scaled by `in_situ`, as in
+    `dynamic_step_ms`): what a step that stops drafting early (`DynamicPolicy.stop_below`) spends.
+    Medusa heads draft every depth in one product, so stopping saves them nothing: every entry is
+    the whole draft."""
+    from runtime.tree import Tree
+
+    full = cost_model.in_situ * cost_model.draft(super_tree)
+    if cost_model.kind == "medusa":
+        return [full] * (super_tree.depth + 1)
+    out = [cost_model.in_situ * cost_model.draft(Tree([p for p in super_tree.paths if len(p) <= d]))
+           for d in range(super_tree.depth)]
+    return [min(c, full) for c in out] + [full]
+
+
 def cost_rows_limit(cost_model: Any) -> int:
     """The most nodes a super-tree may have under this cost model: its largest measured row count."""
     return int(max(cost_model.verify_rows))
 
 
 def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any, context: float,
-                  oracle_tok_per_s: float | None, rank_cap: int | None = None, calibrate: bool = True) -> dict[str, Any] | None:
+                  oracle_tok_per_s: float | None, rank_cap: int | None = None, calibrate: bool = True,
+                  stop_below: Sequence[float] = (0.0,)) -> dict[str, Any] | None:
     """The bank's `dynamic` entry: `fit_dynamic` over the scored candidates (`pipeline.rollout.
-    load_scores`) that the cost model covers, with the replayed share of the bank's oracle; None
-    when no candidate is left."""
+    load_scores`) that the cost model covers and the early-stop thresholds `stop_below`, with the
+    replayed share of the bank's oracle; None when no candidate is left."""
     from pipeline.fit_policy import fit_dynamic
     from runtime.dynamic import MAX_SUPER_NODES
     from runtime.tree import Tree
@@ -82,7 +99,8 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
     if not keep:
         return None
     fitted = fit_dynamic(rollouts, [Tree(scores["super_trees"][s]) for s in keep], [scores["scores"][s] for s in keep],
-                         lambda t: dynamic_step_ms(cost_model, t, context), rank_cap=rank_cap, calibrate=calibrate)
+                         lambda t: dynamic_step_ms(cost_model, t, context), rank_cap=rank_cap, calibrate=calibrate,
+                         draft_ms_for=lambda t: dynamic_draft_ms(cost_model, t), stop_below=stop_below)
     tps = fitted["replay"]["tokens_per_second"]
     fitted["replay"]["share_of_oracle"] = tps / oracle_tok_per_s if oracle_tok_per_s and tps else None
     fitted["context"] = float(context)

@@ -30,12 +30,13 @@ def wanted(cfg: DictConfig) -> bool:
 
 def bank_inputs(cfg: DictConfig, scores_dir: Path, time_dir: Path) -> dict[str, Any]:
     """What `pipeline.bank.build.build_bank` fits EntMTP-dyn on: the scores, the time stage's
-    step-cost model and whether to fit a calibration."""
+    step-cost model, whether to fit a calibration and the early-stop thresholds to try."""
     from pipeline.artifacts import read_json
     from pipeline.timing.step_cost import StepCostModel
 
     timing = read_json(time_dir / "timing.json")
     return {"scores_dir": scores_dir, "calibrate": bool(cfg.dynamic.calibrate),
+            "stop_below": [float(x) for x in cfg.dynamic.stop_below],
             "cost_model": StepCostModel.load(time_dir / timing["cost_model"]["file"])}
 
 
