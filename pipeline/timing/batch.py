@@ -20,6 +20,8 @@ a shared machine's slow phases slow that less than a one-row forward), so calibr
 batched decodes of every timed tree set in-situ factors per batch size and tree size
 (`batch_in_situ`: timed over modeled step, by node count, `in_situ_row`) and check passes, alternating
 with them, check the calibrated model per tree and batch size (`check_batch_steps`; timing.json "batch").
+A (tree, batch size) whose two kinds disagree by more than BATCH_RETIME_ABOVE is timed again with
+more passes of both kinds (`pass_spread`; timing.json records each cell's pass count).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ from runtime.tree import Tree
 
 WARMUP = 1
 BATCH_CHECK_PASSES = 4  # calibration passes, and as many check passes, per (tree, batch size)
+# a (tree, batch size) whose fastest calibration and check passes differ by more than this is timed
+# again (BATCH_CHECK_PASSES more of each kind, the order continued), at most BATCH_RETIME_ROUNDS times
+BATCH_RETIME_ABOVE = 0.05
+BATCH_RETIME_ROUNDS = 2
 
 
 def calibration_pass(index: int) -> bool:
@@ -133,6 +139,14 @@ def batch_tokens_per_second(batch: int, tokens_per_step: float, step_s: float, p
 
 
 @torch.inference_mode()
+def pass_spread(times: Sequence[float]) -> float:
+    """How far the fastest calibration pass and the fastest check pass of one (tree, batch size)
+    lie apart, |calibration / check - 1|, over its passes in order (`calibration_pass`)."""
+    calib = min(t for i, t in enumerate(times) if calibration_pass(i))
+    check = min(t for i, t in enumerate(times) if not calibration_pass(i))
+    return abs(calib / check - 1.0)
+
+
 def check_batch_steps(decoder: TreeDecoder, prompt: list[int], trees: Sequence[int], batch_sizes: Sequence[int],
                       new_tokens: int, sampler: Sampler | None, now: Callable[[], float],
                       progress: Callable[[], None] | None = None, warmup_steps: int = 2,
@@ -204,10 +218,19 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     # size and tree size), the fastest check pass checks the calibrated model. The fastest, not the
     # median: a shared machine only ever slows a pass, and its slow phases last seconds, so two
     # adjacent passes of one kind (C C in the order) can both be slow, which moves a median of four.
+    # Both kinds time the same decodes, so where their fastest passes disagree, a slow phase of the
+    # machine outlasted every pass of one kind: such a cell gets more passes of both kinds (nothing
+    # is dropped, so the fastest of each can only come closer to the machine's own speed).
     passes = check_batch_steps(decoder, prompt, list(timed), larger, check_tokens, sampler, now, progress,
                                passes=2 * BATCH_CHECK_PASSES)
-    calib, measured = ({key: min(p[key] for i, p in enumerate(passes) if calibration_pass(i) == kind)
-                        for key in passes[0]} for kind in (True, False))
+    runs = {key: [p[key] for p in passes] for key in passes[0]}
+    for _ in range(BATCH_RETIME_ROUNDS):
+        for k, b in [key for key, times in runs.items() if pass_spread(times) > BATCH_RETIME_ABOVE]:
+            more = check_batch_steps(decoder, prompt, [k], [b], check_tokens, sampler, now, progress,
+                                     passes=2 * BATCH_CHECK_PASSES)
+            runs[(k, b)] += [p[(k, b)] for p in more]
+    calib, measured = ({key: min(t for i, t in enumerate(times) if calibration_pass(i) == kind)
+                        for key, times in runs.items()} for kind in (True, False))
     model.batch_in_situ = [[1.0] * len(model.verify_rows)] + [
         in_situ_row(model.verify_rows, {k: 1000 * calib[(k, b)] / predict_batch(model, trees[k], check_ctx, b)["step_ms"]
                                         for k in timed}, [trees[k].num_nodes for k in range(len(trees))])
@@ -215,10 +238,10 @@ def measure_batch_axis(decoder: TreeDecoder, model: StepCostModel, trees: Sequen
     out = batch_entries(model, trees, tokens_per_step, {}, context, prefill_s, new_tokens)
     checked = batch_entries(model, trees, tokens_per_step, measured, check_ctx, prefill_s, new_tokens)
     for b, entry in out["per_batch"].items():
-        for row, chk in zip(entry["trees"], checked["per_batch"][b]["trees"]):
+        for row_k, (row, chk) in enumerate(zip(entry["trees"], checked["per_batch"][b]["trees"])):
             if "measured_step_ms" in chk:
                 row.update(measured_step_ms=chk["measured_step_ms"], model_error_pct=chk["model_error_pct"],
-                           check_context=check_ctx)
+                           check_context=check_ctx, passes=len(runs[(row_k, int(b))]))
         entry["chains"] = [{"depth": t.depth, "tokens_per_step": tps,
                             "step_ms": predict_batch(model, t, context, int(b))["step_ms"]} for t, tps in chains]
         for c in entry["chains"]:

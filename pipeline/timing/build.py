@@ -4,6 +4,7 @@ candidate tree's modeled step and end-to-end tok/s, the checks against timed dec
 
 from __future__ import annotations
 
+import logging
 import statistics
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from runtime.device import clock
 from runtime.sampling import Sampler
 from runtime.tree import Tree
 
+log = logging.getLogger(__name__)
 
 def build_timing(out: Path, dec: TreeDecoder, cands: list[dict], per_tree_tps: list[float], rows: list[dict],
                  task_prompt_tokens: float, tc: dict[str, Any], n_new: int, sampler: Sampler, dtype: str, *,
@@ -43,6 +45,10 @@ def build_timing(out: Path, dec: TreeDecoder, cands: list[dict], per_tree_tps: l
                                check_tokens=int(tc["new_tokens"]), prefill_s=t["prefill_s"], sampler=sampler,
                                now=lambda: clock(dec.model.device), chains=chains, progress=bar.update)
     bar.close()
+    retimed = [r["passes"] for e in batch["per_batch"].values() for r in e["trees"] if r.get("passes", 0) > 2 * BATCH_CHECK_PASSES]
+    if retimed:
+        log.info("[time] batch axis: %d (tree, batch size) cells disagreed between their calibration and check passes "
+                 "and were timed again (%s passes)", len(retimed), ", ".join(map(str, retimed)))
     model.save(out / "step_cost.json")
     modeled = [model.predict(c["tree"], ref_ctx) for c in cands]
     trees = tree_entries(cands, per_tree_tps, modeled, t, model, check_ctx,
