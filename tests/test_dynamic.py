@@ -382,3 +382,16 @@ def test_a_super_tree_deeper_than_the_bank_and_batch_policies() -> None:
     with pytest.raises(ValueError, match="without batch_policy"):
         dec.generate_batch([[1, 2], [3, 4]], 8, choose=[policy, Scheduler(et)],
                            batch_policy=BatchScheduler(et, {1: [1.0], 2: [1.0]}))
+
+
+def test_the_scheduling_benchmark_times_every_part() -> None:
+    """`python -m pipeline.benchmarks.policy_overhead` times a dynamic step part by part (the
+    README's scheduling cost); on tiny heads, every part is timed and the subset is a real one."""
+    from pipeline.benchmarks.policy_overhead import time_dynamic
+
+    model = tiny_model(4)
+    heads = tiny_heads(model, "hydra", seed=4)
+    out = time_dynamic(heads, torch.randn(1, model.args.dim), 3, SUPER, GENTLE, rounds=2, repeats=1)
+    assert all(out[k] > 0 for k in ("draft_plain", "draft_scored", "rank", "key", "lookup_hit", "lookup_miss",
+                                    "stop_check", "scheduling_hit"))
+    assert 1 <= out["selected_nodes"] <= SUPER.num_nodes

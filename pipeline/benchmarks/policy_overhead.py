@@ -185,7 +185,7 @@ def time_dynamic(heads: DraftHeads, h: torch.Tensor, root: int, tree: Tree, step
     policy = DynamicPolicy(TreeBuffers.compile(tree).to(h.device), step_ms)
     buf = policy.super_tree
     parts: dict[str, list[float]] = {k: [] for k in ("draft_plain", "draft_scored", "rank", "key", "lookup_hit",
-                                                     "subset_tokens", "lookup_miss", "draft_dynamic")}
+                                                     "subset_tokens", "lookup_miss", "draft_dynamic", "stop_check")}
     now = time.perf_counter
     for r in range(rounds + 3):
         t0 = now()
@@ -193,7 +193,7 @@ def time_dynamic(heads: DraftHeads, h: torch.Tensor, root: int, tree: Tree, step
         t1 = now()
         tokens, prob = heads.propose_scored(h, root, buf)
         t2 = now()
-        _, order, last = policy._rank(prob)
+        _, order, last = policy._rank(prob, policy.depth)
         t3 = now()
         key = int(policy._bits[order].cumsum(0)[last])
         t4 = now()
@@ -208,10 +208,14 @@ def time_dynamic(heads: DraftHeads, h: torch.Tensor, root: int, tree: Tree, step
         t8 = now()
         policy.draft(heads, h, root)
         t9 = now()
+        policy.stop_below = 1.0   # one early-stop check (a step with stop_below pays one per depth but the last)
+        policy.stops_after(1, prob)
+        policy.stop_below = 0.0
+        t10 = now()
         if r >= 3:  # warm-up rounds (and the first miss of the hit column) left out
             for k, a, b in (("draft_plain", t0, t1), ("draft_scored", t1, t2), ("rank", t2, t3), ("key", t3, t4),
                             ("lookup_hit", t4, t5), ("subset_tokens", t5, t6), ("lookup_miss", t7, t8),
-                            ("draft_dynamic", t8, t9)):
+                            ("draft_dynamic", t8, t9), ("stop_check", t9, t10)):
                 parts[k].append((b - a) * 1e6)
     out = {k: sorted(v)[len(v) // 2] for k, v in parts.items()}
     out["score_in_situ"] = out["draft_scored"] - out["draft_plain"]
@@ -351,6 +355,8 @@ def format_dynamic(r: dict[str, Any], static_us: float) -> list[str]:
         lines.append(f"    subset look-up, cache miss         {tr['lookup_miss']:9.1f}  "
                      "(compiles its buffers, once per subset)")
         lines.append(f"    the subset's tokens                {tr['subset_tokens']:9.1f}")
+        lines.append(f"    one early-stop check (stop_below)  {tr['stop_check']:9.1f}  (values + host read; at most "
+                     f"{r['super_depth'] - 1} per step)")
         lines.append(f"    scheduling per step: hit {tr['scheduling_hit']:.1f}, miss {tr['scheduling_miss']:.1f}  "
                      f"(static bank switch, slowest policy: {static_us:.2f}); DynamicPolicy.draft - propose: "
                      f"{tr['draft_dynamic'] - tr['draft_plain']:.1f}")
