@@ -357,7 +357,7 @@ class DynamicConfig:
     # early-stop thresholds tried by the fit: a step stops drafting after the first depth whose best
     # calibrated node value is below the threshold, and pays only the depths it drafted; 0 always
     # drafts the whole super-tree (and is always tried)
-    stop_below: List[float] = field(default_factory=lambda: [0.0, 0.2, 0.3, 0.4, 0.5])
+    stop_below: List[float] = field(default_factory=lambda: [0.0, 0.1, 0.15, 0.2, 0.3, 0.4])
 
 
 @dataclass
