@@ -218,3 +218,38 @@ def test_the_batch_axis_is_calibrated_in_situ_and_checked_by_other_passes() -> N
     cost.batch_in_situ = [[1.0] * len(cost.verify_rows), [-1.0] * len(cost.verify_rows), [1.0] * len(cost.verify_rows)]
     with pytest.raises(ValueError, match="batch_in_situ"):
         cost.validate()
+
+
+@torch.inference_mode()
+def test_a_cell_whose_two_kinds_of_pass_disagree_is_timed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow phase that outlasts every calibration pass of one (tree, batch size) shows as a gap
+    between its fastest calibration and check passes: that cell, and only it, gets more passes of
+    both kinds (all kept), and the model checks out once a calibration pass runs at full speed."""
+    from pipeline.timing import batch
+    from runtime.decoder import TreeDecoder
+    from runtime.tree import TreeBuffers
+    from tests.helpers import DECODER_TREES, tiny_heads
+
+    assert batch.pass_spread([1.2, 1.0, 1.0, 1.2]) == pytest.approx(0.2)
+    assert batch.pass_spread([1.0, 1.1, 1.0, 1.3, 1.0, 1.0]) == pytest.approx(0.0)
+    calls: list[tuple[list[int], list[int]]] = []
+
+    def timed(decoder, prompt, trees, sizes, new_tokens, sampler, now, progress=None, warmup_steps=2, passes=1):  # noqa: ANN001, ANN202
+        first = not calls
+        calls.append((list(trees), list(sizes)))
+        # the first round: calibration passes of (tree 1, B=2) all 25% slow; later rounds at full speed
+        return [{(k, b): 0.01 * (1.25 if first and (k, b) == (1, 2) and batch.calibration_pass(i) else 1.0)
+                 for k in trees for b in sizes} for i in range(passes)]
+
+    monkeypatch.setattr(batch, "check_batch_steps", timed)
+    tiny = tiny_model()
+    tiny.set_row_invariance(4)
+    dec = TreeDecoder(tiny, tiny_heads(tiny, "hydra"), [TreeBuffers.compile(t) for t in DECODER_TREES])
+    ticks = iter(range(10**7))
+    out = batch.measure_batch_axis(dec, step_model(), list(DECODER_TREES), [1.0 + 0.1 * k for k in range(len(DECODER_TREES))],
+                                   [0, 1], [1, 2, 4], 20, list(range(3, 15)), repeats=2, new_tokens=16, check_tokens=10,
+                                   prefill_s=0.01, sampler=None, now=lambda: float(next(ticks)))
+    assert calls == [([0, 1], [2, 4]), ([1], [2])]   # one more round, for that cell only
+    passes = {(k, b): out["per_batch"][str(b)]["trees"][k]["passes"] for k in (0, 1) for b in (2, 4)}
+    assert passes == {(0, 2): 8, (1, 2): 16, (0, 4): 8, (1, 4): 8}
+    assert abs(out["per_batch"]["2"]["trees"][1]["model_error_pct"]) < 3

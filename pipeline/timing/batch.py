@@ -138,7 +138,6 @@ def batch_tokens_per_second(batch: int, tokens_per_step: float, step_s: float, p
     return batch * new_tokens / (batch * prefill_s + (new_tokens - 1) / tokens_per_step * step_s)
 
 
-@torch.inference_mode()
 def pass_spread(times: Sequence[float]) -> float:
     """How far the fastest calibration pass and the fastest check pass of one (tree, batch size)
     lie apart, |calibration / check - 1|, over its passes in order (`calibration_pass`)."""
@@ -147,6 +146,7 @@ def pass_spread(times: Sequence[float]) -> float:
     return abs(calib / check - 1.0)
 
 
+@torch.inference_mode()
 def check_batch_steps(decoder: TreeDecoder, prompt: list[int], trees: Sequence[int], batch_sizes: Sequence[int],
                       new_tokens: int, sampler: Sampler | None, now: Callable[[], float],
                       progress: Callable[[], None] | None = None, warmup_steps: int = 2,

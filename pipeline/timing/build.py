@@ -20,6 +20,7 @@ from runtime.tree import Tree
 
 log = logging.getLogger(__name__)
 
+
 def build_timing(out: Path, dec: TreeDecoder, cands: list[dict], per_tree_tps: list[float], rows: list[dict],
                  task_prompt_tokens: float, tc: dict[str, Any], n_new: int, sampler: Sampler, dtype: str, *,
                  chains: list[tuple[Tree, float]], acceptance: dict, tokens_per_step_from: str) -> dict[str, Any]:
