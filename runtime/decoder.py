@@ -442,8 +442,7 @@ class TreeDecoder:
         seq.start = self.model.cache_len
         if tree is None and isinstance(seq.choose, DynamicPolicy):
             seq.tree, seq.signal = DYNAMIC_TREE, math.nan
-            seq.buf, seq.drafted = seq.choose.draft(self.heads, seq.h, seq.root)
-            seq.depth = seq.choose.last_drafted
+            seq.buf, seq.drafted, seq.depth = seq.choose.draft(self.heads, seq.h, seq.root)
             return False
         if tree is not None:
             seq.tree = tree

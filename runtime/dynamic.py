@@ -192,7 +192,6 @@ class DynamicPolicy:
         self.cache_size = cache_size
         self.hits = 0
         self.misses = 0
-        self.last_drafted = depth  # the depth the last `draft` drafted S to
         self._super = super_tree
         self._device: torch.device | None = None
         self._bind(super_tree.depths.device)
@@ -267,12 +266,19 @@ class DynamicPolicy:
         alike. One host synchronisation."""
         if self.stop_below <= 0.0 or depth >= self.depth:
             return False
+        return self._below(self.values(node_prob), depth)
+
+    def _below(self, vals: torch.Tensor, depth: int) -> bool:
         start, end = self._super.depth_slices[depth - 1]
-        return bool(self.values(node_prob)[start:end].max() < self.stop_below)
+        return bool(vals[start:end].max() < self.stop_below)
 
     def drafted_depth(self, node_prob: torch.Tensor) -> int:
-        """The depth a decode drafts S to, given every node's probability (a replay's view)."""
-        return next((d for d in range(1, self.depth) if self.stops_after(d, node_prob)), self.depth)
+        """The depth a decode drafts S to, given every node's probability (a replay's view): the
+        rule of `stops_after`, on values computed once (a node's value reads only its path)."""
+        if self.stop_below <= 0.0:
+            return self.depth
+        vals = self.values(node_prob)
+        return next((d for d in range(1, self.depth) if self._below(vals, d)), self.depth)
 
     def _rank(self, node_prob: torch.Tensor, drafted: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(values [N], nodes by decreasing value [N], n - 1 [1]) on the device (see `select`)."""
@@ -313,9 +319,10 @@ class DynamicPolicy:
         """The cached subset for a keep mask [N] (compiled on a miss)."""
         return self._lookup(int((self._bits * keep).sum()), lambda: keep.nonzero().flatten())
 
-    def draft(self, heads: Any, h: torch.Tensor, root: int) -> tuple[TreeBuffers, torch.Tensor]:
+    def draft(self, heads: Any, h: torch.Tensor, root: int) -> tuple[TreeBuffers, torch.Tensor, int]:
         """One step's tree: draft S with `heads` (a `DraftHeads`) from context vector h after token
-        `root` and choose its subset, as `select` does; (the subset's buffers, its tokens [n]).
+        `root` and choose its subset, as `select` does; (the subset's buffers, its tokens [n], the
+        depth S was drafted to).
 
         The subset's bitmask is the sum of its nodes' bits, taken along the ranking; reading it
         is the step's one host synchronisation here (with `stop_below`, one more per depth drafted
@@ -330,11 +337,10 @@ class DynamicPolicy:
             return False
 
         tokens, node_prob = heads.propose_scored(h, root, self._super, stop if self.stop_below > 0 else None)
-        self.last_drafted = drafted
         _, order, last = self._rank(node_prob, drafted)
         key = int(self._bits[order].cumsum(0)[last])
         entry = self._lookup(key, lambda: order[: int(last) + 1].sort().values)
-        return entry.buffers, tokens.index_select(0, entry.idx)
+        return entry.buffers, tokens.index_select(0, entry.idx), drafted
 
     def __repr__(self) -> str:
         stop = f", stop below {self.stop_below:g}" if self.stop_below > 0 else ""

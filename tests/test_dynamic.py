@@ -211,7 +211,8 @@ def test_draft_verifies_the_selected_subset_and_caches_it(kind: str) -> None:
     g = torch.Generator().manual_seed(5)
     for step in range(12):
         h = torch.randn(1, model.args.dim, generator=g) * (0.5 + step)
-        buf, tokens = policy.draft(heads, h, 3)
+        buf, tokens, drafted = policy.draft(heads, h, 3)
+        assert drafted == SUPER.depth
         all_tokens, prob = heads.propose_scored(h, 3, full)
         keep, n, _ = policy.select(prob)
         idx = keep.nonzero().flatten()
@@ -239,12 +240,12 @@ def test_early_stop_drafts_to_the_depth_a_replay_computes(kind: str) -> None:
     for step in range(12):
         h = torch.randn(1, model.args.dim, generator=g) * (0.5 + step)
         calls.clear()
-        buf, tokens = policy.draft(heads, h, 3)
+        buf, tokens, drafted = policy.draft(heads, h, 3)
         ran = list(calls)
         all_tokens, prob = heads.propose_scored(h, 3, full)
         d = policy.drafted_depth(prob)
         depths.append(d)
-        assert policy.last_drafted == d
+        assert drafted == d
         keep, n, _ = policy.select(prob, d)
         idx = keep.nonzero().flatten()
         assert buf.num_nodes == int(n) and torch.equal(tokens, all_tokens[idx])
