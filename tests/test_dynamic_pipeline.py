@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.bank.dynamic import build_dynamic, dynamic_step_ms, super_tree_candidates
-from pipeline.fit_policy import calibration_samples, fit_calibration, fit_dynamic
+from pipeline.fit_policy import RATE_SCALES, calibration_samples, fit_calibration, fit_dynamic
 from pipeline.replay import compare_dynamic_steps, replay_dynamic
 from pipeline.rollout import SCORES_META, load_scores, rollout_prompt, save_scores, score_prompt
 from runtime.bank import BankError, TopologyBank
@@ -207,12 +207,20 @@ def test_fit_dynamic_keeps_the_fastest_candidate() -> None:
     cost = lambda t: [1.0 + 0.02 * k for k in range(t.num_nodes)]  # noqa: E731
     fit = fit_dynamic(rolls, [small, SUPER], scores, cost, draft_ms_for=lambda t: [0.01 * d for d in range(t.depth + 1)],
                       stop_below=[0.3])
-    assert len(fit["candidates"]) == 8   # two trees, identity and fitted calibration, drafting all or stopping
-    assert {c["stop_below"] for c in fit["candidates"]} == {0.0, 0.3}
+    ratio = [c for c in fit["candidates"] if c["rate"] == 0]
+    assert len(ratio) == 8   # two trees, identity and fitted calibration, drafting all or stopping
+    assert {c["stop_below"] for c in ratio} == {0.0, 0.3}
+    # the rate pass: one super-tree and calibration (pass 1's fastest), both thresholds, the
+    # Dinkelbach rate and its scaled neighbours
+    rated = [c for c in fit["candidates"] if c["rate"] > 0]
+    assert {c["stop_below"] for c in rated} == {0.0, 0.3}
+    assert len({(c["nodes"], c["calibrated"]) for c in rated}) == 1
+    assert len({round(c["rate"], 9) for c in rated}) >= 1 + len(RATE_SCALES)
     best = max(c["tokens_per_second"] for c in fit["candidates"])
+    assert best >= max(c["tokens_per_second"] for c in ratio)
     assert fit["replay"]["tokens_per_second"] == pytest.approx(best)
     pol = DynamicPolicy(Tree(fit["super_tree"]), fit["step_ms"], fit["calibration"], draft_ms=fit["draft_ms"],
-                        stop_below=fit["stop_below"])
+                        stop_below=fit["stop_below"], rate=fit["rate"])
     s = [Tree(fit["super_tree"])] == [small]
     again = replay_dynamic(rolls, scores[0 if s else 1], pol)
     assert again.tokens_per_second == pytest.approx(best)
