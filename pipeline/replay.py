@@ -29,6 +29,7 @@ decoder sees before verifying) and `head_top1` otherwise.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -731,6 +732,55 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
     secs = time_ms / 1000 if exact_costs else None
     return DynamicReplay(steps, tokens, tokens / steps, secs, tokens / secs if secs else None, node_steps, visited,
                          accepted, nodes, depth_steps)
+
+
+def dynamic_ceiling(rollouts: dict | Sequence[dict], policy: Any, rank_cap: int | None = None) -> dict[str, float]:
+    """The hindsight ceiling of a dynamic policy's super-tree: tokens per second of the best schedule
+    that knows each step's accepted path. Knowing it, a step verifies exactly the accepted chain:
+    k + 1 nodes (the root and the k accepted drafts, k no longer than the path S holds at i),
+    drafted down to depth max(k, 1), at `policy.step_costs(max(k, 1))[k]`; a dynamic program over
+    the step indices (as `oracle_schedule`) picks every k. No subset of S, chosen from any signal,
+    emits more per step or costs less, so no `DynamicPolicy` on S with these costs replays faster:
+    EntMTP-dyn's replayed tok/s over this is how much of what its super-tree allows its path
+    values recover. (A policy without early stop pays the whole draft on every step, so its own
+    ceiling is lower; this is the ceiling of the super-tree and cost model.)"""
+    rolls = as_rollouts(rollouts)
+    K = rank_cap_of(rolls, rank_cap)
+    index = set(_super_index(policy))
+    costs = [policy.step_costs(max(k, 1))[k] for k in range(policy.depth + 1)]
+    time_ms = 0.0
+    tokens = steps = 0
+    for r in rolls:
+        R = np.asarray(r["rank_paths"])
+        T = len(R)
+        if T < 2:
+            continue
+        depth = min(policy.depth, R.shape[1])
+        reach = np.zeros(T, dtype=np.int64)   # the longest prefix of R[i] that is a node of S
+        for d in range(1, depth + 1):
+            ok = (reach == d - 1) & (R[:, d - 1] < K)
+            for i in np.flatnonzero(ok):
+                if tuple(int(x) for x in R[i, :d]) in index:
+                    reach[i] = d
+        best = [0.0] * T
+        arg = [0] * T
+        for i in range(T - 2, -1, -1):
+            t_best, k_best = math.inf, 0
+            for k in range(int(reach[i]) + 1):
+                t = costs[k] + best[min(i + k + 1, T - 1)]
+                if t < t_best:
+                    t_best, k_best = t, k
+            best[i], arg[i] = t_best, k_best
+        i = 0
+        while i < T - 1:
+            i = min(i + arg[i] + 1, T - 1)
+            steps += 1
+        time_ms += best[0]
+        tokens += T - 1
+    if steps == 0:
+        raise ValueError("nothing to replay: every continuation has T <= 1 tokens")
+    return {"steps": steps, "tokens": tokens, "tokens_per_step": tokens / steps, "time_s": time_ms / 1000,
+            "tokens_per_second": 1000 * tokens / time_ms}
 
 
 def compare_dynamic_steps(replay: DynamicReplay, prompt: int, accepted_real: Sequence[int], nodes_real: Sequence[int],

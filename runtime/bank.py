@@ -221,7 +221,9 @@ class TopologyBank:
                          + (f"rate {self.dynamic['rate']:.3g} tokens/ms, " if self.dynamic.get("rate") else "")
                          + f"replayed tokens/step={rep.get('tokens_per_step', nan):.3f} "
                          f"tok/s={rep.get('tokens_per_second') or nan:.1f}"
-                         + (f" ({100 * share:.0f}% of the oracle)" if share else ""))
+                         + (f" ({100 * share:.0f}% of the oracle)" if share else "")
+                         + (f"; its super-tree's hindsight ceiling {ceiling['tokens_per_second']:.1f} tok/s"
+                            if isinstance(ceiling := self.dynamic.get("ceiling"), dict) else ""))
         for b, entry in sorted((self.batch_schedule or {}).items(), key=lambda kv: int(kv[0])):
             k, chain, ar = entry.get("best_static"), entry.get("best_chain"), entry.get("ar_tok_per_s")
             tree = "no speculation (AR)" if k is None else (

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.bank.dynamic import build_dynamic, dynamic_step_ms, super_tree_candidates
 from pipeline.fit_policy import RATE_SCALES, calibration_samples, fit_calibration, fit_dynamic
-from pipeline.replay import compare_dynamic_steps, replay_dynamic
+from pipeline.replay import compare_dynamic_steps, dynamic_ceiling, replay_dynamic
 from pipeline.rollout import SCORES_META, load_scores, rollout_prompt, save_scores, score_prompt
 from runtime.bank import BankError, TopologyBank
 from runtime.decoder import TreeDecoder
@@ -224,6 +224,33 @@ def test_fit_dynamic_keeps_the_fastest_candidate() -> None:
     s = [Tree(fit["super_tree"])] == [small]
     again = replay_dynamic(rolls, scores[0 if s else 1], pol)
     assert again.tokens_per_second == pytest.approx(best)
+
+
+def test_the_ceiling_bounds_every_dynamic_policy_and_is_reached_by_hindsight() -> None:
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    rolls, (scores,) = _rollouts(model, heads, _prompts(4, seed=5), [SUPER])
+    ceiling = dynamic_ceiling(rolls, DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS))
+    assert ceiling["tokens"] == sum(len(r["rank_paths"]) - 1 for r in rolls)
+    for cal in CALS.values():
+        for stop in (0.0, 0.03, 0.1):
+            for rate in (0.0, 0.5, 2.0):
+                pol = DynamicPolicy(SUPER, GENTLE, cal, draft_ms=DRAFTS, stop_below=stop, rate=rate)
+                assert replay_dynamic(rolls, scores, pol).tokens_per_second <= ceiling["tokens_per_second"] * (1 + 1e-9)
+    # a greedy walk that verifies each step's accepted chain (drafted just that deep) is one of the
+    # schedules the ceiling's dynamic program weighs, so the ceiling is at least as fast
+    index = {(): 0, **{tuple(p): SUPER.node_index(p) for p in SUPER.paths}}
+    pol = DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS)
+    tokens, ms = 0, 0.0
+    for r in rolls:
+        R, i = r["rank_paths"], 0
+        while i < len(R) - 1:
+            k = max(d for d in range(SUPER.depth + 1) if tuple(int(x) for x in R[i, :d]) in index)
+            ms += pol.step_costs(max(k, 1))[k]
+            i = min(i + k + 1, len(R) - 1)
+        tokens += len(R) - 1
+    assert 1000 * tokens / ms <= ceiling["tokens_per_second"] * (1 + 1e-9)
+    assert 1000 * tokens / ms >= 0.9 * ceiling["tokens_per_second"]
 
 
 # --- the bank -------------------------------------------------------------------------------------

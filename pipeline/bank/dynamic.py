@@ -89,9 +89,11 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
                   stop_below: Sequence[float] = (0.0,)) -> dict[str, Any] | None:
     """The bank's `dynamic` entry: `fit_dynamic` over the scored candidates (`pipeline.rollout.
     load_scores`) that the cost model covers and the early-stop thresholds `stop_below`, with the
-    replayed share of the bank's oracle; None when no candidate is left."""
+    replayed share of the bank's oracle and of the super-tree's hindsight ceiling ("ceiling");
+    None when no candidate is left."""
     from pipeline.fit_policy import fit_dynamic
-    from runtime.dynamic import MAX_SUPER_NODES
+    from pipeline.replay import dynamic_ceiling
+    from runtime.dynamic import MAX_SUPER_NODES, DynamicPolicy
     from runtime.tree import Tree
 
     limit = min(cost_rows_limit(cost_model), MAX_SUPER_NODES)
@@ -103,5 +105,10 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
                          draft_ms_for=lambda t: dynamic_draft_ms(cost_model, t), stop_below=stop_below)
     tps = fitted["replay"]["tokens_per_second"]
     fitted["replay"]["share_of_oracle"] = tps / oracle_tok_per_s if oracle_tok_per_s and tps else None
+    # what the fitted super-tree allows at best (`pipeline.replay.dynamic_ceiling`): the bound on
+    # any per-step signal, beside the bank's oracle
+    policy = DynamicPolicy(Tree(fitted["super_tree"]), fitted["step_ms"], draft_ms=fitted["draft_ms"])
+    fitted["ceiling"] = dynamic_ceiling(rollouts, policy, rank_cap)
+    fitted["replay"]["share_of_ceiling"] = tps / fitted["ceiling"]["tokens_per_second"] if tps else None
     fitted["context"] = float(context)
     return fitted
