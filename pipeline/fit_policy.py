@@ -37,9 +37,6 @@ from runtime.policy import (
 )
 
 PAPER_TAUS = (0.001, 0.005, 0.01, 0.02, 0.05)
-# EntMTP-dyn's rate rule: the fit replays the Dinkelbach rate times each of these too (its path
-# values are estimates, so the fixed point of the iteration need not be the fastest rate)
-RATE_SCALES = (0.8, 0.9, 1.1, 1.25)
 DEFAULT_SIGNALS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("paper", {}),  # = p0 (see runtime.policy.paper_signal)
     ("greedy_path", {}),
@@ -503,26 +500,18 @@ def fit_calibration(values: np.ndarray, depths: np.ndarray, accepted: np.ndarray
 
 def fit_dynamic(rollouts: Sequence[dict], super_trees: Sequence[Any], scores: Sequence[Sequence[np.ndarray]],
                 step_ms_for: Any, rank_cap: int | None = None, calibrate: bool = True,
-                draft_ms_for: Any = None, stop_below: Sequence[float] = (0.0,),
-                rate_scales: Sequence[float] = RATE_SCALES) -> dict[str, Any]:
-    """EntMTP-dyn fitted by exact replay on the calibration split, in two passes.
+                draft_ms_for: Any = None, stop_below: Sequence[float] = (0.0,)) -> dict[str, Any]:
+    """EntMTP-dyn fitted by exact replay on the calibration split: for every candidate super-tree
+    (`super_trees[s]` with head scores `scores[s]`, per prompt [T, N-1]) and its per-size step costs
+    (`step_ms_for(tree)`: ms of a step verifying n = 1..N nodes, drafting the whole super-tree), the
+    identity calibration and the one fitted on these rollouts (`fit_calibration`) are replayed
+    (`pipeline.replay.replay_dynamic`) with each early-stop threshold in `stop_below` (0: draft the
+    whole super-tree; > 0 needs `draft_ms_for(tree)`: ms of drafting it to depth 0..depth); the
+    fastest (replayed tokens/s) is kept.
 
-    1. For every candidate super-tree (`super_trees[s]` with head scores `scores[s]`, per prompt
-       [T, N-1]) and its per-size step costs (`step_ms_for(tree)`: ms of a step verifying n = 1..N
-       nodes, drafting the whole super-tree), the identity calibration and the one fitted on these
-       rollouts (`fit_calibration`) are replayed (`pipeline.replay.replay_dynamic`) under the
-       per-step ratio rule (rate 0) with each early-stop threshold in `stop_below` (0: draft the
-       whole super-tree; > 0 needs `draft_ms_for(tree)`: ms of drafting it to depth 0..depth).
-    2. For the fastest super-tree and calibration, every threshold again under the rate rule
-       (`DynamicPolicy.rate`): the rate is found by Dinkelbach's iteration (rate <- the replayed
-       tokens per ms under that rate, from pass 1's best, until it moves less than 0.5%), which
-       converges to the rate that maximises the long-run throughput when the values are exact;
-       since they are estimates, that rate times each of `rate_scales` is replayed too.
-
-    The fastest replay (tokens/s) of both passes is kept. Returns {"super_tree": paths,
-    "step_ms": [...], "draft_ms": [...], "stop_below": threshold, "rate": tokens/ms (0: ratio
-    rule), "calibration": dict, "replay": figures, "candidates": [per replay: nodes, calibrated,
-    stop_below, rate, tokens/step, tokens/s]}."""
+    Returns {"super_tree": paths, "step_ms": [...], "draft_ms": [...], "stop_below": threshold,
+    "calibration": dict, "replay": figures, "candidates": [per candidate, calibration and threshold:
+    nodes, calibrated, stop_below, tokens/step, tokens/s]}."""
     from pipeline.replay import replay_dynamic
     from runtime.dynamic import Calibration, DynamicPolicy
     from runtime.tree import Tree
@@ -533,22 +522,7 @@ def fit_dynamic(rollouts: Sequence[dict], super_trees: Sequence[Any], scores: Se
     if any(x > 0 for x in thresholds) and draft_ms_for is None:
         raise ValueError("early-stop thresholds need draft_ms_for (the cost of drafting a super-tree to each depth)")
     best: dict[str, Any] | None = None
-    candidates: list[dict[str, Any]] = []
-
-    def run(t: Any, sc: Any, costs: list[float], drafts: list[float] | None, cal: dict[str, Any], stop: float,
-            rate: float) -> float:
-        nonlocal best
-        pol = DynamicPolicy(t, costs, Calibration.from_dict(cal), draft_ms=drafts, stop_below=stop, rate=rate)
-        rep = replay_dynamic(rollouts, sc, pol, rank_cap)
-        candidates.append({"nodes": t.num_nodes, "depth": t.depth, "calibrated": bool(cal), "stop_below": stop,
-                           "rate": rate, "tokens_per_step": rep.tokens_per_step,
-                           "tokens_per_second": rep.tokens_per_second})
-        if best is None or rep.tokens_per_second > best["replay"]["tokens_per_second"] * (1 + 1e-9):
-            best = {"super_tree": [list(p) for p in t.paths], "step_ms": costs, "draft_ms": drafts,
-                    "stop_below": stop, "rate": rate, "calibration": cal, "replay": rep.summary(),
-                    "_fit": (t, sc, costs, drafts)}
-        return float(rep.tokens_per_second)
-
+    candidates = []
     for tree, sc in zip(super_trees, scores):
         t = tree if isinstance(tree, Tree) else Tree(tree)
         costs = [float(c) for c in step_ms_for(t)]
@@ -559,22 +533,14 @@ def fit_dynamic(rollouts: Sequence[dict], super_trees: Sequence[Any], scores: Se
             cals.append(fit_calibration(v, d, a, t.depth))
         for cal in cals:
             for stop in thresholds if t.depth > 1 else (0.0,):
-                run(t, sc, costs, drafts, cal, stop, 0.0)
+                pol = DynamicPolicy(t, costs, Calibration.from_dict(cal), draft_ms=drafts, stop_below=stop)
+                rep = replay_dynamic(rollouts, sc, pol, rank_cap)
+                entry = {"nodes": t.num_nodes, "depth": t.depth, "calibrated": bool(cal), "stop_below": stop,
+                         "tokens_per_step": rep.tokens_per_step, "tokens_per_second": rep.tokens_per_second}
+                candidates.append(entry)
+                if best is None or rep.tokens_per_second > best["replay"]["tokens_per_second"] * (1 + 1e-9):
+                    best = {"super_tree": [list(p) for p in t.paths], "step_ms": costs, "draft_ms": drafts,
+                            "stop_below": stop, "calibration": cal, "replay": rep.summary()}
     assert best is not None
-    t, sc, costs, drafts = best["_fit"]
-    cal = best["calibration"]
-    start = best["replay"]["tokens_per_second"] / 1000.0   # tokens per ms, step_ms's unit
-    for stop in thresholds if t.depth > 1 else (0.0,):
-        rate, tried = start, set()
-        for _ in range(6):                                   # Dinkelbach: a fixed point in a few steps
-            tried.add(round(rate, 9))
-            new = run(t, sc, costs, drafts, cal, stop, rate) / 1000.0
-            if abs(new - rate) <= 0.005 * rate:
-                break
-            rate = new
-        for scale in rate_scales:
-            if round(rate * scale, 9) not in tried:
-                run(t, sc, costs, drafts, cal, stop, rate * scale)
-    best.pop("_fit")
     best["candidates"] = candidates
     return best

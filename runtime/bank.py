@@ -140,7 +140,7 @@ DYNAMIC_KEYS = ("super_tree", "step_ms", "calibration")
 def _dynamic_policy(d: dict[str, Any], where: str, max_depth: int | None = None) -> Any:
     """The `runtime.dynamic.DynamicPolicy` a bank's `dynamic` entry describes, checked: its
     super-tree (rank paths), one positive step cost per size, a monotone calibration and, where
-    the entry has them, the early-stop threshold, the draft cost per depth and the rate."""
+    the entry has them, the early-stop threshold and draft cost per depth."""
     from runtime.dynamic import DynamicPolicy  # lazy, like the policies
 
     if not isinstance(d, dict) or any(k not in d for k in DYNAMIC_KEYS):
@@ -152,7 +152,7 @@ def _dynamic_policy(d: dict[str, Any], where: str, max_depth: int | None = None)
             raise BankError(f"{where}: EntMTP-dyn's super-tree has depth {tree.depth} but the heads draft only "
                             f"{max_depth} tokens; use heads with at least {tree.depth} heads, or rebuild the bank for these heads")
         return DynamicPolicy(tree, d["step_ms"], d["calibration"], draft_ms=d.get("draft_ms"),
-                             stop_below=d.get("stop_below") or 0.0, rate=d.get("rate") or 0.0)
+                             stop_below=d.get("stop_below") or 0.0)
     except BankError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure to rebuild means the stored policy is unusable
@@ -176,9 +176,8 @@ class TopologyBank:
     # timed at batch size 1 only
     batch_schedule: dict[str, Any] | None = None
     # EntMTP-dyn (`runtime.dynamic`): {"super_tree": paths, "step_ms": [ms per size 1..N],
-    # "calibration": Calibration dict, optional "draft_ms" [ms per drafted depth 0..D], "stop_below"
-    # (early stop) and "rate" (tokens/ms a node must earn), plus its replayed figures}; None where
-    # the bank has none
+    # "calibration": Calibration dict, optional "draft_ms" [ms per drafted depth 0..D] and
+    # "stop_below" (early stop), plus its replayed figures}; None where the bank has none
     dynamic: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -218,7 +217,6 @@ class TopologyBank:
             lines.append(f"  EntMTP-dyn: super-tree {len(self.dynamic['super_tree']) + 1} nodes, "
                          f"calibration {'fitted' if self.dynamic.get('calibration') else 'identity'}, "
                          + (f"stops drafting below {self.dynamic['stop_below']:g}, " if self.dynamic.get("stop_below") else "")
-                         + (f"rate {self.dynamic['rate']:.3g} tokens/ms, " if self.dynamic.get("rate") else "")
                          + f"replayed tokens/step={rep.get('tokens_per_step', nan):.3f} "
                          f"tok/s={rep.get('tokens_per_second') or nan:.1f}"
                          + (f" ({100 * share:.0f}% of the oracle)" if share else "")

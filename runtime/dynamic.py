@@ -10,15 +10,10 @@ values; this is that idea on top of tree heads, kept cheap and lossless:
    per-depth monotone calibration (`Calibration`, identity by default; the pipeline fits it) maps
    it to an estimate of P(node accepted);
 3. with the nodes ranked by that estimate, the best n form a tree (an estimate never rises from a
-   parent to its child, and ties rank the parent first), whose expected emitted tokens E(n) are 1
-   (the root's bonus) + the sum of the other n-1 estimates. `step_ms[n-1]` is the modeled cost of
-   a step verifying n nodes, drafting S included. With `rate` = 0 the policy keeps the n that
-   maximises E(n) / step_ms[n-1], this step's own throughput. With `rate` > 0 (tokens per ms, the
-   fit sets it to the decode's own long-run throughput) it keeps the n that maximises
-   E(n) - rate * step_ms[n-1]: a node is verified when its estimate pays for its cost at the rate
-   the whole decode earns. That is the rule that maximises total tokens / total time (renewal
-   reward: a step should not be judged by its own ratio), so a sure step verifies more nodes and
-   an unsure one fewer than the per-step ratio would;
+   parent to its child, and ties rank the parent first), whose expected emitted tokens are 1 (the
+   root's bonus) + the sum of the other n-1 estimates; the policy keeps the n that maximises
+   expected tokens / step_ms[n-1] (`step_ms`: the modeled cost of a step verifying n nodes,
+   drafting S included);
 4. optionally (`stop_below` > 0) S is drafted depth by depth, and the drafting stops after depth d
    when no node at depth d is worth `stop_below` (its calibrated value): deeper nodes, whose
    values can only be lower, are then neither drafted nor verified, and the step's cost is that of
@@ -146,9 +141,7 @@ class DynamicPolicy:
     kept compiled (the oldest is dropped past it). `draft_ms`: draft_ms[d] is the cost of drafting
     S down to depth d, d = 0..S.depth (draft_ms[S.depth] is the drafting inside step_ms), needed
     when `stop_below` > 0: drafting stops after the first depth whose best calibrated value is
-    below it (module docstring, step 4); 0 drafts the whole super-tree every step. `rate`: tokens
-    per ms (in step_ms's unit) a step's nodes must earn (module docstring, step 3); 0: each step
-    maximises its own tokens per ms.
+    below it (module docstring, step 4); 0 drafts the whole super-tree every step.
 
     Stateless between steps apart from the subset cache, so one policy may serve every sequence of
     a batch (each gets its own subset every step) and several decodes; `hits` / `misses` count the
@@ -156,7 +149,7 @@ class DynamicPolicy:
 
     def __init__(self, super_tree: Tree | TreeBuffers, step_ms: Sequence[float],
                  calibration: Calibration | Mapping[str, Any] | None = None, cache_size: int = 4096,
-                 draft_ms: Sequence[float] | None = None, stop_below: float = 0.0, rate: float = 0.0) -> None:
+                 draft_ms: Sequence[float] | None = None, stop_below: float = 0.0) -> None:
         if isinstance(super_tree, Tree):
             super_tree = TreeBuffers.compile(super_tree)
         if not isinstance(super_tree, TreeBuffers):
@@ -178,10 +171,6 @@ class DynamicPolicy:
         stop_below = float(stop_below)
         if not (math.isfinite(stop_below) and 0.0 <= stop_below <= 1.0):
             raise ValueError(f"stop_below must lie in [0, 1] (a calibrated acceptance estimate), got {stop_below}")
-        rate = float(rate)
-        if not (math.isfinite(rate) and rate >= 0.0):
-            raise ValueError(f"rate must be a finite number >= 0 (tokens per ms a step must earn; 0: per-step ratio), "
-                             f"got {rate}")
         depth = super_tree.depth
         if draft_ms is None:
             if stop_below > 0:
@@ -199,7 +188,6 @@ class DynamicPolicy:
         self.step_ms = costs
         self.draft_ms = drafts
         self.stop_below = stop_below
-        self.rate = rate
         self.calibration = calibration
         self.cache_size = cache_size
         self.hits = 0
@@ -298,18 +286,13 @@ class DynamicPolicy:
         if drafted < self.depth:   # nodes not drafted are never verified
             vals = vals.masked_fill(self._super.depths > drafted, -math.inf)
         ranked, order = torch.sort(vals, descending=True, stable=True)    # the root (1.0, index 0) first
-        expected = ranked.cumsum(0)                                       # E(n) for n = 1..N
-        if self.rate > 0:
-            last = (expected - self.rate * self._cost[drafted]).argmax(dim=0, keepdim=True)
-        else:
-            last = (expected / self._cost[drafted]).argmax(dim=0, keepdim=True)
+        last = (ranked.cumsum(0) / self._cost[drafted]).argmax(dim=0, keepdim=True)
         return vals, order, last
 
     def select(self, node_prob: torch.Tensor, drafted: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(keep [N] bool, n [1] int64, values [N]) on the device: the n nodes with the highest
         `values` (ties: the lower node index first, so a parent before its child), n maximising
-        E(n) = 1 + the sum of the n-1 best non-root values, divided by the step cost of n nodes, or
-        less `rate` x that cost where `rate` > 0 (ties: the smaller n).
+        (1 + sum of the n-1 best non-root values) / step cost of n nodes (ties: the smaller n).
         `drafted`: the depth S was drafted to (default: all of it); deeper nodes are left out and
         the step costs `step_costs(drafted)`."""
         vals, order, last = self._rank(node_prob, self.depth if drafted is None else drafted)
@@ -361,6 +344,5 @@ class DynamicPolicy:
 
     def __repr__(self) -> str:
         stop = f", stop below {self.stop_below:g}" if self.stop_below > 0 else ""
-        stop += f", rate {self.rate:.4g} tokens/ms" if self.rate > 0 else ""
         return (f"DynamicPolicy(super-tree {self.num_nodes} nodes, depth {self.depth}, {self.calibration!r}{stop}, "
                 f"cache {len(self._cache)}/{self.cache_size})")

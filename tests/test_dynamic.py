@@ -202,37 +202,6 @@ def test_select_is_the_top_n_by_value_and_n_follows_the_cost(cal: Calibration) -
     assert len(seen_n) >= 4, f"the cost arrays picked only sizes {sorted(seen_n)}: the test exercised little"
 
 
-def test_the_rate_rule_keeps_the_n_whose_nodes_pay_at_that_rate() -> None:
-    """With `rate` > 0, n maximises E(n) - rate * cost(n): a higher rate never keeps more nodes,
-    a sure step keeps more than the ratio rule would, and an unsure one fewer."""
-    n_nodes = SUPER.num_nodes
-    cost = [10.0 + 1.0 * k for k in range(n_nodes)]
-    g = torch.Generator().manual_seed(5)
-    more = fewer = 0
-    for trial in range(40):
-        prob = torch.rand(n_nodes, generator=g) ** (0.2 if trial % 2 else 3.0)   # sure or unsure steps
-        prob[0] = 1.0
-        ratio_n = int(DynamicPolicy(SUPER, cost).select(prob)[1])
-        sizes = []
-        for rate in (0.02, 0.06, 0.1, 0.2, 0.5):
-            policy = DynamicPolicy(SUPER, cost, rate=rate)
-            keep, n, vals = policy.select(prob)
-            expected = np.cumsum(sorted(vals.tolist(), reverse=True))
-            gain = [e - rate * c for e, c in zip(expected, cost)]
-            near = [k + 1 for k, v in enumerate(gain) if v >= max(gain) - 1e-5]
-            assert int(n) in near, (trial, rate, near)
-            assert int(keep.sum()) == int(n)
-            sizes.append(int(n))
-        assert sizes == sorted(sizes, reverse=True), sizes
-        # 0.2 tokens/ms: above an unsure step's own ratio (about 1 token / 10 ms), below a sure one's
-        n_at = sizes[3]
-        more += n_at > ratio_n
-        fewer += n_at < ratio_n
-    assert more and fewer, "the rate rule never differed from the ratio rule both ways: the test exercised little"
-    with pytest.raises(ValueError, match="rate"):
-        DynamicPolicy(SUPER, cost, rate=-1.0)
-
-
 @pytest.mark.parametrize("kind", ["hydra", "medusa"])
 def test_draft_verifies_the_selected_subset_and_caches_it(kind: str) -> None:
     model = tiny_model(4)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline.bank.dynamic import build_dynamic, dynamic_step_ms, super_tree_candidates
-from pipeline.fit_policy import RATE_SCALES, calibration_samples, fit_calibration, fit_dynamic
+from pipeline.fit_policy import calibration_samples, fit_calibration, fit_dynamic
 from pipeline.replay import compare_dynamic_steps, dynamic_ceiling, replay_dynamic
 from pipeline.rollout import SCORES_META, load_scores, rollout_prompt, save_scores, score_prompt
 from runtime.bank import BankError, TopologyBank
@@ -207,20 +207,12 @@ def test_fit_dynamic_keeps_the_fastest_candidate() -> None:
     cost = lambda t: [1.0 + 0.02 * k for k in range(t.num_nodes)]  # noqa: E731
     fit = fit_dynamic(rolls, [small, SUPER], scores, cost, draft_ms_for=lambda t: [0.01 * d for d in range(t.depth + 1)],
                       stop_below=[0.3])
-    ratio = [c for c in fit["candidates"] if c["rate"] == 0]
-    assert len(ratio) == 8   # two trees, identity and fitted calibration, drafting all or stopping
-    assert {c["stop_below"] for c in ratio} == {0.0, 0.3}
-    # the rate pass: one super-tree and calibration (pass 1's fastest), both thresholds, the
-    # Dinkelbach rate and its scaled neighbours
-    rated = [c for c in fit["candidates"] if c["rate"] > 0]
-    assert {c["stop_below"] for c in rated} == {0.0, 0.3}
-    assert len({(c["nodes"], c["calibrated"]) for c in rated}) == 1
-    assert len({round(c["rate"], 9) for c in rated}) >= 1 + len(RATE_SCALES)
+    assert len(fit["candidates"]) == 8   # two trees, identity and fitted calibration, drafting all or stopping
+    assert {c["stop_below"] for c in fit["candidates"]} == {0.0, 0.3}
     best = max(c["tokens_per_second"] for c in fit["candidates"])
-    assert best >= max(c["tokens_per_second"] for c in ratio)
     assert fit["replay"]["tokens_per_second"] == pytest.approx(best)
     pol = DynamicPolicy(Tree(fit["super_tree"]), fit["step_ms"], fit["calibration"], draft_ms=fit["draft_ms"],
-                        stop_below=fit["stop_below"], rate=fit["rate"])
+                        stop_below=fit["stop_below"])
     s = [Tree(fit["super_tree"])] == [small]
     again = replay_dynamic(rolls, scores[0 if s else 1], pol)
     assert again.tokens_per_second == pytest.approx(best)
@@ -234,9 +226,8 @@ def test_the_ceiling_bounds_every_dynamic_policy_and_is_reached_by_hindsight() -
     assert ceiling["tokens"] == sum(len(r["rank_paths"]) - 1 for r in rolls)
     for cal in CALS.values():
         for stop in (0.0, 0.03, 0.1):
-            for rate in (0.0, 0.5, 2.0):
-                pol = DynamicPolicy(SUPER, GENTLE, cal, draft_ms=DRAFTS, stop_below=stop, rate=rate)
-                assert replay_dynamic(rolls, scores, pol).tokens_per_second <= ceiling["tokens_per_second"] * (1 + 1e-9)
+            pol = DynamicPolicy(SUPER, GENTLE, cal, draft_ms=DRAFTS, stop_below=stop)
+            assert replay_dynamic(rolls, scores, pol).tokens_per_second <= ceiling["tokens_per_second"] * (1 + 1e-9)
     # a greedy walk that verifies each step's accepted chain (drafted just that deep) is one of the
     # schedules the ceiling's dynamic program weighs, so the ceiling is at least as fast
     index = {(): 0, **{tuple(p): SUPER.node_index(p) for p in SUPER.paths}}

@@ -41,16 +41,12 @@ def test_bank_stage_fits_and_stores_entmtp_dyn(bundle: TinyBundle, tmp_path: Pat
     assert len(dyn["step_ms"]) == len(dyn["super_tree"]) + 1
     # every candidate with the identity and the fitted calibration, and (deeper than 1) each early stop
     grid = sorted(set(DynamicConfig().stop_below) | {0.0})
-    ratio = [c for c in dyn["candidates"] if c["rate"] == 0]
-    assert len(ratio) == sum(2 * (len(grid) if Tree(t).depth > 1 else 1) for t in scores["super_trees"])
-    # then the rate rule on pass 1's fastest super-tree and calibration, at every threshold
-    assert {c["stop_below"] for c in dyn["candidates"] if c["rate"] > 0} == set(grid)
-    assert dyn["replay"]["share_of_oracle"] > 0 and dyn["stop_below"] in grid and dyn["rate"] >= 0
+    assert len(dyn["candidates"]) == sum(2 * (len(grid) if Tree(t).depth > 1 else 1) for t in scores["super_trees"])
+    assert dyn["replay"]["share_of_oracle"] > 0 and dyn["stop_below"] in grid
     assert len(dyn["draft_ms"]) == Tree(dyn["super_tree"]).depth + 1
     bank = TopologyBank.load(bank_dir)
     policy = bank.dynamic_policy()
     assert policy.super_tree.to_tree() == Tree(dyn["super_tree"]) and policy.stop_below == dyn["stop_below"]
-    assert policy.rate == dyn["rate"]
 
     model = load_model(bundle.model_dir, max_seq_len=256)
     model.set_row_invariance(4)
