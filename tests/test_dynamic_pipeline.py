@@ -335,6 +335,9 @@ def test_evaluation_has_the_dynamic_row_and_checks_its_replay() -> None:
     check = df.attrs["dynamic_check"]
     assert check["prompts_compared"] == 3 and check["steps_compared"] == sum(r["steps"] for r in recs[DYNAMIC_LABEL])
     assert check["steps_agree"] == check["steps_compared"] and check["disagreements"] == []
+    assert check["replayed_tok_per_s"] == pytest.approx(by.loc[DYNAMIC_LABEL, "replayed_tok_per_s"])
+    assert check["replayed_tok_per_s"] <= check["ceiling_tok_per_s"] * (1 + 1e-9)
+    assert check["share_of_ceiling"] == pytest.approx(check["replayed_tok_per_s"] / check["ceiling_tok_per_s"])
 
 
 def test_the_step_check_reports_what_differs() -> None:
