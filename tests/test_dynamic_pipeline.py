@@ -355,3 +355,22 @@ def test_the_step_check_reports_what_differs() -> None:
     acc[0] += 1   # the real decode then visits other step indices: compared up to there
     cmp = compare_dynamic_steps(replay, 0, acc, [s.nodes for s in res.steps], T)
     assert cmp["steps_compared"] == 1 and cmp["disagreements"][-1]["what"].startswith("the replay visits")
+
+
+def test_the_headroom_walk_is_the_replay_and_p0_bins_refit_the_calibration() -> None:
+    from pipeline.experiments.dynamic_headroom import p0_calibrated, walk_dynamic
+
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    rolls, (scores,) = _rollouts(model, heads, _prompts(4, seed=6), [SUPER])
+    for cal, stop in (("identity", 0.0), ("per-depth", 0.03)):
+        pol = DynamicPolicy(SUPER, GENTLE, CALS[cal], draft_ms=DRAFTS, stop_below=stop)
+        assert walk_dynamic(rolls, scores, SUPER, lambda n, i: pol) == pytest.approx(
+            replay_dynamic(rolls, scores, pol).tokens_per_second)
+    # one p0 bin is the calibration fitted on every step, as the bank fits it
+    v, d, a = calibration_samples(rolls, scores, SUPER)
+    fitted = DynamicPolicy(SUPER, GENTLE, fit_calibration(v, d, a, SUPER.depth), draft_ms=DRAFTS, stop_below=0.1)
+    dyn = {"super_tree": [list(p) for p in SUPER.paths], "step_ms": GENTLE, "draft_ms": DRAFTS}
+    assert p0_calibrated(rolls, scores, dyn, 1, 0.1) == pytest.approx(replay_dynamic(rolls, scores, fitted).tokens_per_second)
+    ceiling = dynamic_ceiling(rolls, fitted)["tokens_per_second"]
+    assert 0 < p0_calibrated(rolls, scores, dyn, 3, 0.1) <= ceiling * (1 + 1e-9)
