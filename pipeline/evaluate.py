@@ -243,7 +243,6 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec:
         atomic_write_json(out / "dynamic_check.json", check)
         log.info("%s", f"[evaluate] EntMTP-dyn replay vs real decodes: {check['steps_agree']} of "
                        f"{check['steps_compared']} steps agree")
-
     log.info("%s", table)
     oracle_dec = df.loc[df.method == "oracle (replayed)", "decode_tok_per_s"].item()
     summary = {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}

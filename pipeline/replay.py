@@ -660,6 +660,18 @@ def _super_index(policy: Any) -> dict[Path, int]:
     return {(): 0, **{tuple(p): tree.node_index(p) for p in tree.paths}}
 
 
+def accepted_in_subset(rank_path: np.ndarray, index: dict[Path, int], kept: Sequence[bool]) -> int:
+    """Accepted length of a step that verifies the `kept` nodes of a super-tree (`index`: node index
+    of each rank path): the longest prefix of the step's rank path that is a kept node."""
+    a = 0
+    for d in range(1, len(rank_path) + 1):
+        j = index.get(tuple(int(x) for x in rank_path[:d]), -1)
+        if j < 0 or not kept[j]:
+            break
+        a = d
+    return a
+
+
 def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray], policy: Any,
                    rank_cap: int | None = None, exact_costs: bool = True) -> DynamicReplay:
     """Replay a `runtime.dynamic.DynamicPolicy` exactly over rollouts and their head scores.
@@ -707,13 +719,7 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
             prob = torch.cat([one, probs[i]])
             drafted = policy.drafted_depth(prob)
             keep, k, _ = policy.select(prob, drafted)
-            kept = keep.tolist()
-            a = 0
-            for d in range(1, R.shape[1] + 1):
-                j = index.get(tuple(int(x) for x in R[i, :d]), -1)
-                if j < 0 or not kept[j]:
-                    break
-                a = d
+            a = accepted_in_subset(R[i], index, keep.tolist())
             size = int(k)
             vis.append(i)
             acc.append(a)

@@ -18,7 +18,6 @@ Writes artifacts/reports/benchmarks/dynamic_headroom.{csv,json}.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.artifacts import atomic_write_json
-from pipeline.benchmarks import REPORT_DIR, TASKS, write_csv
-from pipeline.paths import Layout, default_model_name
+from pipeline.benchmarks import write_csv
+from pipeline.experiments import bank_layouts, bank_study_args
 
 P0_BINS = (2, 4)
 STOP_GRID = (0.0, 0.1, 0.15, 0.2, 0.3, 0.4)
@@ -41,6 +40,8 @@ def walk_dynamic(rollouts: Sequence[dict], scores: Sequence[np.ndarray], tree: A
     policy free to change from step to step."""
     import torch
 
+    from pipeline.replay import accepted_in_subset
+
     index = {(): 0, **{tuple(p): tree.node_index(p) for p in tree.paths}}
     tokens, ms = 0, 0.0
     for n, (r, sc) in enumerate(zip(rollouts, scores)):
@@ -52,15 +53,8 @@ def walk_dynamic(rollouts: Sequence[dict], scores: Sequence[np.ndarray], tree: A
             prob = torch.cat([torch.ones(1), torch.from_numpy(np.ascontiguousarray(sc[i], dtype=np.float32))])
             drafted = pol.drafted_depth(prob)
             keep, k, _ = pol.select(prob, drafted)
-            kept = keep.tolist()
-            a = 0
-            for d in range(1, R.shape[1] + 1):
-                j = index.get(tuple(int(x) for x in R[i, :d]), -1)
-                if j < 0 or not kept[j]:
-                    break
-                a = d
             ms += pol.step_costs(drafted)[int(k) - 1]
-            i += a + 1
+            i += accepted_in_subset(R[i], index, keep.tolist()) + 1
         tokens += max(T - 1, 0)
     return 1000 * tokens / ms
 
@@ -120,20 +114,9 @@ def task_headroom(bank_dir: Path, work: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifacts", default="artifacts")
-    p.add_argument("--model-name", default=None, help="model folder name (default: the config's default model)")
-    p.add_argument("--heads", default="hydra-draft8192", help="heads run name (the banks' folder under the model)")
-    p.add_argument("--profile", default="cpu")
-    p.add_argument("--tasks", nargs="+", default=list(TASKS))
-    p.add_argument("--out", default=str(REPORT_DIR))
-    a = p.parse_args(argv)
+    a = bank_study_args(__doc__, argv)
     results: dict[str, list[dict[str, Any]]] = {}
-    for task in a.tasks:
-        lay = Layout(Path(a.artifacts), Path("data"), a.model_name or default_model_name(), a.heads, task, a.profile)
-        for need in (lay.bank_dir / "bank.json", lay.work / "rollout", lay.work / "scores"):
-            if not need.exists():
-                raise SystemExit(f"{need} is missing: run `make bank TASK={task}` first")
+    for task, lay in bank_layouts(a, needs=("rollout", "scores")):
         results[task] = task_headroom(lay.bank_dir, lay.work)
         for r in results[task]:
             print(f"{task:10s} {r['method']:75s} {r['tok_per_s']:7.1f} tok/s  {r['share_of_oracle_pct']:5.1f}% of the "

@@ -20,15 +20,14 @@ artifacts/reports/benchmarks/policy_headroom.{csv,json,png}.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.benchmarks import REPORT_DIR, TASKS, write_csv
-from pipeline.paths import Layout, default_model_name
+from pipeline.benchmarks import write_csv
+from pipeline.experiments import bank_layouts, bank_study_args
 from pipeline.replay import BankReplay, oracle_replay, replay_policy
 from pipeline.rollout import load_rollout
 from runtime.tree import Tree
@@ -127,21 +126,8 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifacts", default="artifacts")
-    p.add_argument("--model-name", default=None, help="model folder name (default: the config's default model)")
-    p.add_argument("--heads", default="hydra-draft8192", help="heads run name (the banks' folder under the model)")
-    p.add_argument("--profile", default="cpu")
-    p.add_argument("--tasks", nargs="+", default=list(TASKS))
-    p.add_argument("--out", default=str(REPORT_DIR))
-    a = p.parse_args(argv)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for task in a.tasks:
-        lay = Layout(Path(a.artifacts), Path("data"), a.model_name or default_model_name(), a.heads, task, a.profile)
-        for need in (lay.bank_dir / "bank.json", lay.work / "rollout"):
-            if not need.exists():
-                raise SystemExit(f"{need} does not exist: build the bank first (`make bank TASK={task}`)")
-        results[task] = task_headroom(lay.bank_dir, lay.work / "rollout")
+    a = bank_study_args(__doc__, argv)
+    results = {task: task_headroom(lay.bank_dir, lay.work / "rollout") for task, lay in bank_layouts(a)}
     names = [r["policy"] for r in next(iter(results.values()))]
     print("share of the oracle's replayed tokens/s (calibration steps of each bank; tok/s in brackets)")
     print(" | ".join(["what the policy knows", *results]))
