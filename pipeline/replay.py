@@ -672,8 +672,20 @@ def accepted_in_subset(rank_path: np.ndarray, index: dict[Path, int], kept: Sequ
     return a
 
 
+def _checked_index(policy: Any, rolls: Sequence[dict], K: int) -> dict[Path, int]:
+    """`_super_index(policy)`, after checking that the rollouts' rank paths can score its super-tree."""
+    index = _super_index(policy)
+    paths = [p for p in index if p]
+    if paths and max(max(p) for p in paths) >= K:
+        raise ValueError(f"the super-tree has a rank >= rank_cap {K}: the rollout cannot score it")
+    if policy.depth > rolls[0]["rank_paths"].shape[1]:
+        raise ValueError(f"the super-tree has depth {policy.depth} but the rank paths cover {rolls[0]['rank_paths'].shape[1]} heads")
+    return index
+
+
 def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray], policy: Any,
-                   rank_cap: int | None = None, exact_costs: bool = True) -> DynamicReplay:
+                   rank_cap: int | None = None, exact_costs: bool = True,
+                   policy_at: Callable[[int, int], Any] | None = None) -> DynamicReplay:
     """Replay a `runtime.dynamic.DynamicPolicy` exactly over rollouts and their head scores.
 
     `scores[n]` is prompt n's [T, N-1] float32 head probabilities of the policy's super-tree
@@ -684,19 +696,15 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
     per-depth rule a decode applies as it drafts) bounds the subset and prices the step
     (`step_costs`). Counting as everywhere here (module docstring): tokens per step = sum(T - 1) /
     steps, tokens per second = the same tokens / the summed step costs.
-    `exact_costs=False` leaves time out (tokens per step only)."""
+    `exact_costs=False` leaves time out (tokens per step only). `policy_at(prompt, step index)`, for
+    studies, names the policy that picks each step's subset (default: `policy` at every step);
+    every one must share `policy`'s super-tree and costs, which price the steps."""
     import torch
 
     rolls = as_rollouts(rollouts)
     if len(scores) != len(rolls):
         raise ValueError(f"{len(rolls)} rollouts but head scores for {len(scores)} prompts")
-    K = rank_cap_of(rolls, rank_cap)
-    index = _super_index(policy)
-    paths = [p for p in index if p]
-    if paths and max(max(p) for p in paths) >= K:
-        raise ValueError(f"the super-tree has a rank >= rank_cap {K}: the rollout cannot score it")
-    if policy.depth > rolls[0]["rank_paths"].shape[1]:
-        raise ValueError(f"the super-tree has depth {policy.depth} but the rank paths cover {rolls[0]['rank_paths'].shape[1]} heads")
+    index = _checked_index(policy, rolls, rank_cap_of(rolls, rank_cap))
     N = policy.num_nodes
     costs = [policy.step_costs(d) for d in range(policy.depth + 1)]
     steps = tokens = 0
@@ -717,8 +725,9 @@ def replay_dynamic(rollouts: dict | Sequence[dict], scores: Sequence[np.ndarray]
         i = 0
         while i < T - 1:
             prob = torch.cat([one, probs[i]])
-            drafted = policy.drafted_depth(prob)
-            keep, k, _ = policy.select(prob, drafted)
+            pol = policy if policy_at is None else policy_at(n, i)
+            drafted = pol.drafted_depth(prob)
+            keep, k, _ = pol.select(prob, drafted)
             a = accepted_in_subset(R[i], index, keep.tolist())
             size = int(k)
             vis.append(i)
@@ -751,8 +760,8 @@ def dynamic_ceiling(rollouts: dict | Sequence[dict], policy: Any, rank_cap: int 
     values recover. (A policy without early stop pays the whole draft on every step, so its own
     ceiling is lower; this is the ceiling of the super-tree and cost model.)"""
     rolls = as_rollouts(rollouts)
-    K = rank_cap_of(rolls, rank_cap)
-    index = set(_super_index(policy))
+    index = _checked_index(policy, rolls, rank_cap_of(rolls, rank_cap))
+    every = [True] * policy.num_nodes
     costs = [policy.step_costs(max(k, 1))[k] for k in range(policy.depth + 1)]
     time_ms = 0.0
     tokens = steps = 0
@@ -761,18 +770,12 @@ def dynamic_ceiling(rollouts: dict | Sequence[dict], policy: Any, rank_cap: int 
         T = len(R)
         if T < 2:
             continue
-        depth = min(policy.depth, R.shape[1])
-        reach = np.zeros(T, dtype=np.int64)   # the longest prefix of R[i] that is a node of S
-        for d in range(1, depth + 1):
-            ok = (reach == d - 1) & (R[:, d - 1] < K)
-            for i in np.flatnonzero(ok):
-                if tuple(int(x) for x in R[i, :d]) in index:
-                    reach[i] = d
+        reach = [accepted_in_subset(R[i], index, every) for i in range(T)]   # the longest prefix of R[i] in S
         best = [0.0] * T
         arg = [0] * T
         for i in range(T - 2, -1, -1):
             t_best, k_best = math.inf, 0
-            for k in range(int(reach[i]) + 1):
+            for k in range(reach[i] + 1):
                 t = costs[k] + best[min(i + k + 1, T - 1)]
                 if t < t_best:
                     t_best, k_best = t, k

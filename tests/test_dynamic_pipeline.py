@@ -357,16 +357,20 @@ def test_the_step_check_reports_what_differs() -> None:
     assert cmp["steps_compared"] == 1 and cmp["disagreements"][-1]["what"].startswith("the replay visits")
 
 
-def test_the_headroom_walk_is_the_replay_and_p0_bins_refit_the_calibration() -> None:
-    from pipeline.experiments.dynamic_headroom import p0_calibrated, walk_dynamic
+def test_a_policy_per_step_replays_each_prompt_with_its_policy_and_p0_bins_refit_the_calibration() -> None:
+    from pipeline.experiments.dynamic_headroom import p0_calibrated
 
     model = _model("padded")
     heads = tiny_heads(model, "hydra")
     rolls, (scores,) = _rollouts(model, heads, _prompts(4, seed=6), [SUPER])
-    for cal, stop in (("identity", 0.0), ("per-depth", 0.03)):
-        pol = DynamicPolicy(SUPER, GENTLE, CALS[cal], draft_ms=DRAFTS, stop_below=stop)
-        assert walk_dynamic(rolls, scores, SUPER, lambda n, i: pol) == pytest.approx(
-            replay_dynamic(rolls, scores, pol).tokens_per_second)
+    # prompts 0-1 under one policy, 2-3 under another: the pooled replay of the two halves
+    first, second = (DynamicPolicy(SUPER, GENTLE, CALS[cal], draft_ms=DRAFTS, stop_below=stop)
+                     for cal, stop in (("identity", 0.0), ("per-depth", 0.03)))
+    mixed = replay_dynamic(rolls, scores, first, policy_at=lambda n, i: first if n < 2 else second)
+    halves = [replay_dynamic(rolls[:2], scores[:2], first), replay_dynamic(rolls[2:], scores[2:], second)]
+    assert mixed.steps == sum(h.steps for h in halves)
+    assert mixed.time_s == pytest.approx(sum(h.time_s for h in halves))
+    assert [len(v) for v in mixed.visited] == [len(v) for h in halves for v in h.visited]
     # one p0 bin is the calibration fitted on every step, as the bank fits it
     v, d, a = calibration_samples(rolls, scores, SUPER)
     fitted = DynamicPolicy(SUPER, GENTLE, fit_calibration(v, d, a, SUPER.depth), draft_ms=DRAFTS, stop_below=0.1)

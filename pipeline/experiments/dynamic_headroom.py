@@ -18,7 +18,7 @@ Writes artifacts/reports/benchmarks/dynamic_headroom.{csv,json}.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,37 +32,11 @@ P0_BINS = (2, 4)
 STOP_GRID = (0.0, 0.1, 0.15, 0.2, 0.3, 0.4)
 
 
-def walk_dynamic(rollouts: Sequence[dict], scores: Sequence[np.ndarray], tree: Any,
-                 policy_at: Callable[[int, int], Any]) -> float:
-    """Replayed tokens per second of a decode that uses DynamicPolicy `policy_at(prompt, step index)`
-    (each on super-tree `tree`) at each step: the rules of `pipeline.replay.replay_dynamic` (drafted
-    depth, subset, accepted prefix of the rank path, cost by size and drafted depth), with the
-    policy free to change from step to step."""
-    import torch
-
-    from pipeline.replay import accepted_in_subset
-
-    index = {(): 0, **{tuple(p): tree.node_index(p) for p in tree.paths}}
-    tokens, ms = 0, 0.0
-    for n, (r, sc) in enumerate(zip(rollouts, scores)):
-        R = r["rank_paths"]
-        T = len(R)
-        i = 0
-        while i < T - 1:
-            pol = policy_at(n, i)
-            prob = torch.cat([torch.ones(1), torch.from_numpy(np.ascontiguousarray(sc[i], dtype=np.float32))])
-            drafted = pol.drafted_depth(prob)
-            keep, k, _ = pol.select(prob, drafted)
-            ms += pol.step_costs(drafted)[int(k) - 1]
-            i += accepted_in_subset(R[i], index, keep.tolist()) + 1
-        tokens += max(T - 1, 0)
-    return 1000 * tokens / ms
-
-
 def p0_calibrated(rollouts: Sequence[dict], scores: Sequence[np.ndarray], dynamic: dict[str, Any], bins: int,
                   stop_below: float) -> float:
     """EntMTP-dyn with one calibration per quantile bin of p0 (fitted on these rollouts), replayed."""
     from pipeline.fit_policy import calibration_samples, fit_calibration
+    from pipeline.replay import replay_dynamic
     from runtime.dynamic import Calibration, DynamicPolicy
     from runtime.tree import Tree
 
@@ -81,7 +55,8 @@ def p0_calibrated(rollouts: Sequence[dict], scores: Sequence[np.ndarray], dynami
         cal = fit_calibration(*(np.concatenate([p[k] for p in parts]) for k in range(3)), tree.depth)
         policies.append(DynamicPolicy(tree, dynamic["step_ms"], Calibration.from_dict(cal),
                                       draft_ms=dynamic["draft_ms"], stop_below=stop_below))
-    return walk_dynamic(rollouts, scores, tree, lambda n, i: policies[int(bin_of[n][i])])
+    return replay_dynamic(rollouts, scores, policies[0],
+                          policy_at=lambda n, i: policies[int(bin_of[n][i])]).tokens_per_second
 
 
 def task_headroom(bank_dir: Path, work: Path) -> list[dict[str, Any]]:
