@@ -357,9 +357,7 @@ def test_the_step_check_reports_what_differs() -> None:
     assert cmp["steps_compared"] == 1 and cmp["disagreements"][-1]["what"].startswith("the replay visits")
 
 
-def test_a_policy_per_step_replays_each_prompt_with_its_policy_and_p0_bins_refit_the_calibration() -> None:
-    from pipeline.experiments.dynamic_headroom import p0_calibrated
-
+def test_a_policy_per_step_replays_each_prompt_with_its_policy() -> None:
     model = _model("padded")
     heads = tiny_heads(model, "hydra")
     rolls, (scores,) = _rollouts(model, heads, _prompts(4, seed=6), [SUPER])
@@ -371,10 +369,42 @@ def test_a_policy_per_step_replays_each_prompt_with_its_policy_and_p0_bins_refit
     assert mixed.steps == sum(h.steps for h in halves)
     assert mixed.time_s == pytest.approx(sum(h.time_s for h in halves))
     assert [len(v) for v in mixed.visited] == [len(v) for h in halves for v in h.visited]
-    # one p0 bin is the calibration fitted on every step, as the bank fits it
-    v, d, a = calibration_samples(rolls, scores, SUPER)
-    fitted = DynamicPolicy(SUPER, GENTLE, fit_calibration(v, d, a, SUPER.depth), draft_ms=DRAFTS, stop_below=0.1)
-    dyn = {"super_tree": [list(p) for p in SUPER.paths], "step_ms": GENTLE, "draft_ms": DRAFTS}
-    assert p0_calibrated(rolls, scores, dyn, 1, 0.1) == pytest.approx(replay_dynamic(rolls, scores, fitted).tokens_per_second)
-    ceiling = dynamic_ceiling(rolls, fitted)["tokens_per_second"]
-    assert 0 < p0_calibrated(rolls, scores, dyn, 3, 0.1) <= ceiling * (1 + 1e-9)
+
+
+def test_the_learned_acceptance_model_study() -> None:
+    """dynamic_headroom's learned acceptance model: its labels are the calibration's, the history
+    feature follows the decode's own steps, the fit beats a constant rate in-sample, and a policy told
+    the depth-1 outcome accepts a draft on every step whose accepted first draft is in the super-tree."""
+    from pipeline.experiments.dynamic_headroom import (
+        AcceptanceModel, accepted_labels, history_along, learned_replay, learned_rows, node_features, with_history)
+
+    assert history_along(5, [0, 2], [1, 2], alpha=0.5).tolist() == [1.0, 1.0, 1.0, 1.5, 1.5]
+    model = _model("padded")
+    heads = tiny_heads(model, "hydra")
+    rolls, (scores,) = _rollouts(model, heads, _prompts(4, seed=6), [SUPER])
+    feats, names = zip(*(node_features(r, sc, SUPER) for r, sc in zip(rolls, scores)))
+    T = len(rolls[0]["rank_paths"])
+    assert feats[0].shape == (T, SUPER.num_nodes - 1, len(names[0]))
+    labels = [accepted_labels(r, SUPER) for r in rolls]
+    _, _, hits = calibration_samples(rolls, scores, SUPER)
+    assert np.array_equal(np.concatenate([a[:-1].ravel() for a in labels]), hits)
+    depths = np.asarray([len(p) for p in sorted(SUPER.paths, key=SUPER.node_index)])
+    hist = [with_history(f, np.ones(len(f))) for f in feats]
+    fit = AcceptanceModel.fit(hist, labels, depths)
+    for d in range(1, SUPER.depth + 1):
+        y = np.concatenate([a[:-1, depths == d].ravel() for a in labels]).astype(float)
+        p = np.concatenate([fit.predict(h[:-1])[:, depths == d].ravel() for h in hist]).clip(1e-9, 1 - 1e-9)
+        rate = y.mean().clip(1e-9, 1 - 1e-9)
+        def logloss(q):
+            return -(y * np.log(q) + (1 - y) * np.log(1 - q)).mean()
+        assert logloss(p) <= logloss(rate) + 1e-9
+    policy = DynamicPolicy(SUPER, GENTLE, draft_ms=DRAFTS)
+    told = learned_replay(rolls, feats, fit, policy, 0.0, reveal=labels)
+    firsts = {p[0] for p in SUPER.paths}
+    for r, vis, acc in zip(rolls, told.visited, told.accepted):
+        first_in_s = np.isin(np.asarray(r["rank_paths"])[vis, 0], list(firsts))
+        assert (acc[first_in_s] >= 1).all() and (acc[~first_in_s] == 0).all()
+    ceiling = dynamic_ceiling(rolls, policy)["tokens_per_second"]
+    rows = learned_rows(rolls, scores, policy)
+    assert set(rows) == {"in-sample", "2-fold", "in-sample, told the depth-1 outcome"}
+    assert all(0 < v <= ceiling * (1 + 1e-9) for v in rows.values())
