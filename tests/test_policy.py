@@ -211,6 +211,20 @@ def test_policy_overhead_us_measures_every_policy_kind() -> None:
     assert all(math.isfinite(v) and v > 0 for v in us.values()), us
 
 
+def test_policy_overhead_benchmark_runs_without_a_bank(tmp_path: Path) -> None:
+    """The benchmark's own command line with its defaults (no --bank, no --step-cost) writes its
+    report: the dynamic section is optional, and a missing path must not reach Path(None)."""
+    import json
+
+    from pipeline.benchmarks.policy_overhead import main
+
+    out = tmp_path / "policy_overhead.json"
+    main(["--threads", "1", "--calls", "3", "--repeats", "1", "--super-nodes", "0", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert set(r["policy_us"]) >= {"static", "ladder", "hysteresis", "expected_throughput"}
+    assert "dynamic" not in r
+
+
 def test_runtime_policy_imports_only_allowed_modules() -> None:
     src = Path(__file__).resolve().parent.parent / "runtime" / "policy.py"
     tree = ast.parse(src.read_text())

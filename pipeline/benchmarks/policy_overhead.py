@@ -430,7 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     if not threads or min(threads) < 1:
         raise SystemExit(f"--threads must list positive thread counts, got {a.threads!r}")
     r = measure(threads, getattr(torch, a.dtype), a.num_heads, Path(a.model_dir), a.calls, a.repeats,
-                Path(a.bank), Path(a.step_cost), a.super_nodes, a.decode_tokens)
+                Path(a.bank) if a.bank else None, Path(a.step_cost) if a.step_cost else None,
+                a.super_nodes, a.decode_tokens)
     r["machine"] = machine_info()
     print(format_report(r))
     atomic_write_json(a.out, r)
