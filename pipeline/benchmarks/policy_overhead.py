@@ -417,9 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), help="read the shapes from here if present")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--bank", default=DEFAULT_BANK,
+    p.add_argument("--bank", type=Path, default=DEFAULT_BANK,
                    help="time EntMTP-dyn on this bank's model and heads (random heads when it is absent)")
-    p.add_argument("--step-cost", default=DEFAULT_STEP_COST,
+    p.add_argument("--step-cost", type=Path, default=DEFAULT_STEP_COST,
                    help="the time stage's step-cost model, for the dynamic decodes' cost array (if present)")
     p.add_argument("--super-nodes", type=int, default=24, help="EntMTP-dyn super-tree size (0: skip that section)")
     p.add_argument("--decode-tokens", type=int, default=96,
@@ -430,8 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     if not threads or min(threads) < 1:
         raise SystemExit(f"--threads must list positive thread counts, got {a.threads!r}")
     r = measure(threads, getattr(torch, a.dtype), a.num_heads, Path(a.model_dir), a.calls, a.repeats,
-                Path(a.bank) if a.bank else None, Path(a.step_cost) if a.step_cost else None,
-                a.super_nodes, a.decode_tokens)
+                a.bank, a.step_cost, a.super_nodes, a.decode_tokens)
     r["machine"] = machine_info()
     print(format_report(r))
     atomic_write_json(a.out, r)
