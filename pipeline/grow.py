@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.replay import Path, as_rollouts, key_base, path_key, prefix_keys, rank_cap_of
+from pipeline.replay.accept import Path, as_rollouts, key_base, path_key, prefix_keys, rank_cap_of
 
 
 def _sorted_paths(paths: Sequence[Path]) -> list[Path]:
@@ -335,7 +335,7 @@ def top_count_tree(
 
 def uniform_objective(rank_paths: Any, tree: Sequence[Path], rank_cap: int | None = None) -> float:
     """Mean accepted length of `tree` over every step index (what `top_count_tree` maximises)."""
-    from pipeline.replay import accept_lengths
+    from pipeline.replay.accept import accept_lengths
 
     arrays, rank_cap = _rank_arrays(rank_paths, rank_cap)
     total = sum(int(accept_lengths(x, tree, rank_cap).sum()) for x in arrays)

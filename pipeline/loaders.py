@@ -2,7 +2,7 @@
 heads, tree decoders over them, and the sampler and acceptance rule a config asks for.
 
 Everything here takes resolved inputs (a `RuntimeSpec`: folders, dtype, arithmetic); which
-folders and which dtype is the stage graph's business (`pipeline.stages.inputs`)."""
+folders and which dtype is the stage graph's business (`pipeline.graph.runtime_spec`)."""
 
 from __future__ import annotations
 

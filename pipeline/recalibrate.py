@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from pipeline.replay import accept_lengths
+from pipeline.replay.accept import accept_lengths
 from runtime.sampling import Sampler
 from runtime.decoder import TreeDecoder
 from runtime.tree import Tree

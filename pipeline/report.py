@@ -60,7 +60,7 @@ class MachineRecord:
     source: Path                    # the JSON file it was read from
     machine: Mapping[str, Any]      # pipeline.artifacts.machine_info(): cpu, cores, amx, torch, cuda, platform, ...
     dtype: str | None = None        # the dtype the figures were measured in, where the file records it
-    kernel: str | None = None       # runtime.small_rows.kernel_id() ("small_rows-<isa>-<sha>" or "none"), where recorded
+    kernel: str | None = None       # runtime.model.small_rows.kernel_id() ("small_rows-<isa>-<sha>" or "none"), where recorded
 
     def identity(self) -> tuple[Any, ...]:
         """What makes two records the same machine (thread count and kernel build aside)."""

@@ -320,7 +320,7 @@ class EntMTP:
         comes back with `error` set and no tokens; the others are decoded. `ar=True` decodes with
         plain AR instead, batched the same way (the baseline). Each result's stats give its
         tokens/step and the batch's tok/s (new tokens of the whole batch over its wall time)."""
-        from runtime.generate import ar_generate_batch
+        from runtime.ar import ar_generate_batch
 
         if isinstance(batch_size, bool) or batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be an int >= 1 (or None: every prompt in one batch), got {batch_size!r}")
@@ -389,7 +389,7 @@ class EntMTP:
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Generation:
         """Plain autoregressive decoding on the same model, for comparison (greedy, or seeded
         sampling with the same arguments and meaning as `generate`)."""
-        from runtime.generate import ar_generate
+        from runtime.ar import ar_generate
 
         sampler = Sampler(SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         ids = self.encode(prompt, chat)

@@ -172,7 +172,7 @@ class TopologyBank:
     buffers: list[TreeBuffers] = field(default_factory=list)
     path: Path | None = None
     # per batch size: the best tree (or none), the best chain and every tree's step cost and batch
-    # throughput, as bank.json's "batch_sizes" holds them (`runtime.schedule`); None for a bank
+    # throughput, as bank.json's "batch_sizes" holds them (`runtime.export.schedule`); None for a bank
     # timed at batch size 1 only
     batch_schedule: dict[str, Any] | None = None
     # EntMTP-dyn (`runtime.dynamic`): {"super_tree": paths, "step_ms": [ms per size 1..N],
@@ -426,7 +426,7 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
     _check_policies(policies, len(trees), where)
     batch = doc.get("batch_sizes")
     if batch is not None:
-        from runtime.schedule import ScheduleError, choices_from_batch_sizes
+        from runtime.export.schedule import ScheduleError, choices_from_batch_sizes
 
         try:
             choices_from_batch_sizes(batch, trees, figures)

@@ -142,8 +142,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from runtime.export import RENAMED, TREE_FORMATS, export_schedule, export_tree
-    from runtime.schedule import schedule_from_bank
+    from runtime.export.engines import RENAMED, TREE_FORMATS, export_schedule, export_tree
+    from runtime.export.schedule import schedule_from_bank
 
     legacy = args.format in TREE_FORMATS
     if args.tree is not None and not legacy:

@@ -18,7 +18,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # the floating dtypes a model or heads run and are stored in, by torch name (`runtime.device.torch_dtype`)
 DTYPES = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# weight files of the published heads layouts (`runtime.published` reads them)
+# weight files of the published heads layouts (`pipeline.heads.published.read` reads them)
 HYDRA_WEIGHTS = "hydra_lm_head.pt"
 MEDUSA_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 

@@ -24,7 +24,7 @@ product may run in cheaper arithmetic than the base model (`draft_dtype`: bfloat
 dynamic activation quantisation); training always uses the exact product.
 
 The heads' own files are `config.json` + `heads.safetensors` (see `save_heads`/`load_heads`);
-published Hydra/Medusa checkpoints are read by `runtime.published`.
+published Hydra/Medusa checkpoints are read by `pipeline.heads.published.read`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from runtime.io import atomic_write_bytes
 from runtime.config import (  # noqa: F401 - re-exported
     CONFIG_FILE, DRAFT_DTYPES, DTYPES, FORMAT, FORMAT_VERSION, KINDS, OUTPUTS, WEIGHTS_FILE, HeadsConfig, _args_to_dict,
 )
-from runtime.model import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
+from runtime.model.llama import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
 from runtime.tree import TreeBuffers
 
 
@@ -665,11 +665,11 @@ def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a heads folder holds {CONFIG_FILE} + {WEIGHTS_FILE} "
-                                "(train them with `make heads`; published checkpoints load with runtime.published)")
+                                "(train them with `make heads`; published checkpoints load with pipeline.heads.published.read)")
     raw = json.loads(path.read_text())
     if raw.pop("format", None) != FORMAT:
         raise ValueError(f"{path} is not an EntMTP heads config (its 'format' is not {FORMAT!r}); "
-                         "published Hydra/Medusa folders load with runtime.published.load_published")
+                         "published Hydra/Medusa folders load with pipeline.heads.published.read.load_published")
     version = raw.pop("format_version", None)
     if version != FORMAT_VERSION:
         raise ValueError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")

@@ -26,7 +26,7 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path):
-    """The tiny model + heads + bank of tests/helpers.py (built once per test process)."""
+    """The tiny model + heads + bank of tests/helpers/__init__.py (built once per test process)."""
     from tests.helpers import tiny_bundle
 
     return tiny_bundle(tmp_path_factory, smollm2_dir)

@@ -229,7 +229,7 @@ def test_lossless_modes_select_the_arithmetic(bundle: TinyBundle, dtype: str) ->
     row-invariant, "numerical" keeps the ordinary one; exact generation equals AR in bf16 too."""
     from runtime.api import EntMTP
 
-    from runtime import small_rows
+    from runtime.model import small_rows
 
     # float32 on a CPU with the small-row kernel needs no padding: every product is row-invariant
     unpadded = dtype == "float32" and small_rows.available()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pipeline.benchmarks.row_invariance import PROBE_CONTEXTS, invariance_probe
-from runtime import model as model_mod
-from runtime.model import KEY_CHUNK, Attention, ModelArgs, RowPlan, Transformer, row_plan
+from runtime.model import llama as model_mod
+from runtime.model.llama import KEY_CHUNK, Attention, ModelArgs, RowPlan, Transformer, row_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import small_rows
+from runtime.model import small_rows
 from runtime.decoder import TreeDecoder
 from runtime.model import BatchItem, Transformer
 from runtime.policy import HysteresisPolicy, Scheduler
@@ -151,7 +151,7 @@ def test_bad_batches_say_what_is_wrong() -> None:
 
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
 def test_batched_ar_is_each_prompts_own_ar(arithmetic: str) -> None:
-    from runtime.generate import ar_generate, ar_generate_batch
+    from runtime.ar import ar_generate, ar_generate_batch
 
     model = _model(arithmetic)
     prompts = _prompts(5, seed=6)

@@ -13,7 +13,7 @@ from pipeline.bank.selection import batch_choices
 from pipeline.timing.batch import batch_table, in_situ_row, batch_tokens_per_second, measure_batch_verify, predict_batch
 from pipeline.timing.step_cost import StepCostModel
 from runtime.bank import BankError, TopologyBank
-from runtime.schedule import schedule_from_bank
+from runtime.export.schedule import schedule_from_bank
 from runtime.tree import Tree
 from tests.helpers import make_bank, reseal, tiny_model
 from tests.test_step_cost import _level_ms as level_ms, _synthetic_model as step_model
@@ -147,7 +147,7 @@ def test_the_batch_scheduler_spends_the_verify_budget_on_confident_sequences() -
 
 
 def test_batch_replay_of_one_lane_is_the_single_sequence_replay() -> None:
-    from pipeline.replay import BankReplay, replay_batch, replay_policy
+    from pipeline.replay.policy import BankReplay, replay_batch, replay_policy
     from runtime.policy import StaticPolicy
     from tests.helpers import synthetic_rollouts
 

@@ -17,7 +17,7 @@ import pytest
 
 from runtime.bank import TopologyBank
 from runtime.cli import main
-from runtime.export import parse_tree
+from runtime.export.engines import parse_tree
 from runtime.tree import Tree
 from tests.helpers import REPO, TinyBundle, pin_to_one_cpu, python_exe, subprocess_env
 

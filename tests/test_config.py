@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from pipeline.validate import ConfigError, config_problems, validate_config
+from pipeline.config.validate import ConfigError, config_problems, validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -87,7 +87,7 @@ def test_each_bad_setting_alone_is_caught(case: str, tmp_path: Path) -> None:
 
 def test_fixed_policy_values_are_used_by_the_fitter() -> None:
     """The config's fixed tau_on/tau_off (thresholds) reach the bank: only the trees are fitted."""
-    from pipeline.fit_policy import fit_all_policies
+    from pipeline.bank.policies import fit_all_policies
     from tests.helpers import synthetic_rollouts
 
     rolls = synthetic_rollouts(4, 64, 3, rank_cap=6, seed=1)
@@ -477,7 +477,7 @@ def test_every_launcher_file_composes(launcher_plugin: bool, request: pytest.Fix
     plugin's launcher node; the job config beside it still validates."""
     from omegaconf import OmegaConf
 
-    import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+    import pipeline.config.schema  # noqa: F401 - registers the typed config schemas with hydra
 
     name = request.node.callspec.params["launcher_plugin"]
     assert name in LAUNCHER_PLUGINS, f"conf/hydra/launcher/{name}.yaml: add its plugin to LAUNCHER_PLUGINS"

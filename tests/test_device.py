@@ -1,4 +1,4 @@
-"""Device-clean decoding, checked without a GPU by `runtime.debug.DeviceCheck`.
+"""Device-clean decoding, checked without a GPU by `tests.helpers.device_check.DeviceCheck`.
 
 On a CPU-only machine every tensor is a CPU tensor, so a line that would build a CPU tensor next
 to CUDA ones runs fine here. DeviceCheck finds such lines anyway (a factory called without
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.evaluate import continuation_nll
-from pipeline.rollout import rollout_prompt
-from runtime.debug import DeviceCheck, DeviceCheckError
+from pipeline.evaluate.run import continuation_nll
+from pipeline.rollout.record import rollout_prompt
+from tests.helpers.device_check import DeviceCheck, DeviceCheckError
 from runtime.decoder import TreeDecoder, TypicalAcceptance
 from runtime.device import resolve_device
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.policy import LadderPolicy, Scheduler
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import DECODER_TREES as TREES

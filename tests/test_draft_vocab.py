@@ -15,7 +15,7 @@ from pipeline.heads.draft_vocab import (
     write_draft_vocab_heads,
 )
 from runtime.decoder import TreeDecoder
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, choose_draft_dtype, draft_arithmetics, load_heads, save_heads
 from runtime.model import ModelArgs, Transformer
 from runtime.tree import Tree, TreeBuffers

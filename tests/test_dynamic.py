@@ -13,10 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import small_rows
+from runtime.model import small_rows
 from runtime.decoder import TreeDecoder, TypicalAcceptance
 from runtime.dynamic import DYNAMIC_TREE, Calibration, DynamicPolicy
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.model import Transformer
 from runtime.policy import ExpectedThroughputPolicy, BatchScheduler, Scheduler
 from runtime.sampling import Sampler, SamplingConfig

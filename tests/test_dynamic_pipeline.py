@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from pipeline.bank.dynamic import build_dynamic, dynamic_step_ms, super_tree_candidates
-from pipeline.fit_policy import calibration_samples, fit_calibration, fit_dynamic
-from pipeline.replay import compare_dynamic_steps, dynamic_ceiling, replay_dynamic
-from pipeline.rollout import SCORES_META, load_scores, rollout_prompt, save_scores, score_prompt
+from pipeline.bank.policies import calibration_samples, fit_calibration, fit_dynamic
+from pipeline.replay.dynamic import compare_dynamic_steps, dynamic_ceiling, replay_dynamic
+from pipeline.rollout.scores import SCORES_META, load_scores, save_scores, score_prompt
+from pipeline.rollout.record import rollout_prompt
 from runtime.bank import BankError, TopologyBank
 from runtime.decoder import TreeDecoder
 from runtime.dynamic import DYNAMIC_TREE, Calibration, DynamicPolicy
@@ -316,7 +317,7 @@ def test_bank_round_trip_with_the_dynamic_policy(tmp_path: Path) -> None:
 def test_evaluation_has_the_dynamic_row_and_checks_its_replay() -> None:
     """compare_methods decodes EntMTP-dyn for real (identical to AR), replays it on the eval
     rollouts beside the oracle (its share of it), and its replay agrees with every real step."""
-    from pipeline.evaluate import DYNAMIC_LABEL, compare_methods
+    from pipeline.evaluate.run import DYNAMIC_LABEL, compare_methods
     from tests.helpers import BANK_TREES, BEST_STATIC, fake_figures, tiny_policies
 
     model = _model("padded")

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.rollout import load_rollout, load_scores
+from pipeline.rollout.record import load_rollout
+from pipeline.rollout.scores import load_scores
 from runtime.bank import TopologyBank
 from runtime.decoder import TreeDecoder
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import load_heads
 from runtime.model import load_model
 from runtime.tree import Tree, TreeBuffers
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_bank_stage_fits_and_stores_entmtp_dyn(bundle: TinyBundle, tmp_path: Path) -> None:
     from pipeline import graph
-    from pipeline.schema import DynamicConfig
+    from pipeline.config.schema import DynamicConfig
 
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pipeline.evaluate import (BATCH_AR, ONE_TREE, PER_BATCH, PER_BATCH_NO_AXIS, batch_choice, compare_batches,
+from pipeline.evaluate.run import (BATCH_AR, ONE_TREE, PER_BATCH, PER_BATCH_NO_AXIS, batch_choice, compare_batches,
                                evaluate_batches)
 from runtime.bank import TopologyBank
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import load_heads
 from runtime.model import load_model
 

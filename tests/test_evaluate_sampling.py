@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.evaluate import compare_methods
-from pipeline.evaluate_sampling import continuation_surprisal, distribution_columns, surprisal_and_entropy
+from pipeline.evaluate.run import compare_methods
+from pipeline.evaluate.sampling import continuation_surprisal, distribution_columns, surprisal_and_entropy
 from runtime.bank import TopologyBank
 from runtime.sampling import Sampler, SamplingConfig
 from tests.helpers import BANK_TREES, BEST_STATIC, fake_figures, tiny_policies
@@ -40,7 +40,7 @@ def test_an_exact_sampler_has_no_nll_gap_and_the_argmax_a_negative_one() -> None
     model = tiny_model(seed=5)
     config = SamplingConfig(temperature=0.7, seed=1)
     sampler = Sampler(config)
-    from runtime.generate import ar_generate
+    from runtime.ar import ar_generate
 
     prompts = [[1, 5, 9, 2], [7, 3, 3, 8, 11], [2, 4], [6, 6, 1]]
     sampled = [ar_generate(model, p, 60, eos_ids=(), sampler=sampler) for p in prompts]
@@ -80,7 +80,7 @@ def test_evaluate_at_temperature_matches_seeded_ar_and_measures_typical_acceptan
     assert abs(by.loc["AR", "nll_gap"]) < 3 * by.loc["AR", "nll_gap_se"]
     assert by.loc[typical, "nll_gap_se"].notna().all()
     # the sampled AR text is AR's with the same sampler, not greedy
-    from runtime.generate import ar_generate
+    from runtime.ar import ar_generate
 
     assert recs["AR"][0]["tokens"] == ar_generate(model, rows[0]["input_ids"], 40, sampler=sampler)
     assert recs["AR"][0]["tokens"] != ar_generate(model, rows[0]["input_ids"], 40)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from runtime.bank import TopologyBank
 from runtime.cli import main
-from runtime.export import (
+from runtime.export.engines import (
     EXPORTERS,
     SCHEDULE_FORMATS,
     TREE_FORMATS,
@@ -37,7 +37,7 @@ from runtime.export import (
     to_trtllm,
     to_vllm,
 )
-from runtime.schedule import (
+from runtime.export.schedule import (
     ScheduleError,
     ServingChoice,
     ServingSchedule,
@@ -129,7 +129,7 @@ def test_text_parsers_fuzz_raise_only_tree_errors(text: str, fmt: str) -> None:
 
 # ================================================================ per-batch-size serving schedules
 #
-# The engines' lookup rules, written from their code's documented behaviour (see runtime/export.py
+# The engines' lookup rules, written from their code's documented behaviour (see runtime/export/engines.py
 # for the files and PRs): what each engine does with an exported config at a given load.
 
 
@@ -476,7 +476,7 @@ def test_engine_configs_written_by_hand_parse_with_the_engine_rules() -> None:
 
 
 def _batch_axis(bank: TopologyBank) -> dict:
-    """A "batch_sizes" record as the bank stage writes it (the contract in runtime/schedule.py)."""
+    """A "batch_sizes" record as the bank stage writes it (the contract in runtime/export/schedule.py)."""
     n = len(bank.trees)
     return {
         "1": {"best_static": bank.best_static, "best_chain": {"depth": 2, "tokens_per_step": 1.7, "step_ms": 5.5,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import pipeline.prepare
-from pipeline.rollout import load_rollout
+from pipeline.rollout.record import load_rollout
 from tests.helpers import MODEL_NAME, REPO, TinyBundle, tiny_pipeline_cfg, tiny_pipeline_overrides
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

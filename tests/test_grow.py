@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.grow import GrowResult, grow, grow_all_depths, grow_frontier, top_count_tree, uniform_objective
-from pipeline.replay import accept_lengths, replay_tree, walk
+from pipeline.replay.accept import accept_lengths, replay_tree, walk
 from tests.helpers import synthetic_rollouts
 
 

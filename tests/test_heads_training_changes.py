@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.heads.build import train_key
+from pipeline.heads.recipe import train_key
 from pipeline.heads.distill import generate_batch
 from pipeline.heads.train import _chain_drafts, distill_loss, sequence_batch, train_loop
-from pipeline.schema import TrainSettings
+from pipeline.config.schema import TrainSettings
 from tests.test_train_heads import make_heads, prompts, selfdistill, tiny_dir  # noqa: F401 - the fixture
 
 

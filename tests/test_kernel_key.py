@@ -1,5 +1,5 @@
 """The CPU kernels that ran are part of what a decode computes: every decoding stage's key and the
-bank's provenance name them (`runtime.small_rows.kernel_id`), so a rollout made with the small-row
+bank's provenance name them (`runtime.model.small_rows.kernel_id`), so a rollout made with the small-row
 kernel and one made with torch's products never share a key."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import small_rows
+from runtime.model import small_rows
 from tests.helpers import MODEL_NAME, TinyBundle, tiny_pipeline_cfg
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,7 +28,7 @@ def test_stage_keys_and_bank_provenance_name_the_kernel(bundle: TinyBundle, tmp_
     from pipeline import graph
     from pipeline.stages import dtype as dtype_stage
     from pipeline.stages import rollout as rollout_stage
-    from pipeline.stages.inputs import runtime_key
+    from pipeline.graph import runtime_key
 
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     shutil.copytree(bundle.model_dir, artifacts / "models" / MODEL_NAME)
@@ -59,7 +59,7 @@ def test_stage_keys_and_bank_provenance_name_the_kernel(bundle: TinyBundle, tmp_
 def test_only_float32_cpu_decodes_name_a_kernel(bundle: TinyBundle, tmp_path: Path) -> None:
     """bfloat16 forwards and CUDA never run the small-row kernel: their keys say "none"."""
     from pipeline import graph
-    from pipeline.stages.inputs import kernel
+    from pipeline.graph import kernel
 
     artifacts, data = tmp_path / "artifacts", tmp_path / "data"
     graph.clear_memo()

@@ -149,7 +149,7 @@ def long_run(
     not at all (False). reads_heads: also run the heads' greedy
     chain every step (what head-reading signals cost). `progress` gets each memory sample as it
     is taken. Returns the figures (JSON-able)."""
-    from runtime.generate import ar_generate
+    from runtime.ar import ar_generate
 
     dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in trees])
     sched = switching_scheduler(len(trees), reads_heads)
@@ -349,7 +349,7 @@ def test_smollm2_2000_tokens_switching_every_step(smollm2_dir: Path) -> None:
     invariance a position's logits do not depend on the forward, so they are AR's bit for bit), and
     the first 200 tokens are also compared with sequential AR decoding, the definition."""
     from runtime.api import render_chat
-    from runtime.generate import ar_generate
+    from runtime.ar import ar_generate
     from runtime.model import load_model, load_tokenizer
 
     # one thread (the autouse fixture): on the shared 2-core machine, 2 threads ran SmolLM2 3-4x slower

@@ -25,7 +25,7 @@ NEW_TOKENS = 32
 # 63-node tree's verify forwards (> 32 rows) are not row-invariant (see OVER_32_ROWS_BF16 in
 # tests/test_row_invariance.py), and the largest tree and the hysteresis policy leave AR's output
 # (HumanEval/0, token 27, top-2 gap 0.125). Not strict: it depends on the CPU's bf16 kernels; an
-# XPASS (-rX) on the bench machine means runtime/model.py was fixed: drop the mark then.
+# XPASS (-rX) on the bench machine means runtime/model/llama.py was fixed: drop the mark then.
 BF16_EXACT_OVER_32_ROWS = pytest.mark.xfail(strict=False, reason=(
     "bf16 lossless=exact: trees over 32 nodes leave AR's output (row invariance breaks for forwards "
     "of > 32 rows)"))

@@ -16,14 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.model import ModelArgs, Transformer, load_model, load_tokenizer, rope_inv_freq
+from runtime.model.llama import ModelArgs, Transformer, load_model, load_tokenizer, rope_inv_freq
 from tests.helpers import random_hf_causal_lm
 
 ATOL = 1e-4  # logits, float32, vs transformers eager (the bar)
 TIGHT = 2e-5  # the runtime against itself: same weights, different call shapes
 
 
-# tiny models gain nothing from threads (see tests/helpers.py `torch_threads`)
+# tiny models gain nothing from threads (see tests/helpers/__init__.py `torch_threads`)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.chat_templates import CHAT_TEMPLATES, VICUNA_SYSTEM, describe_chat_template, render, resolve_chat_template
-from pipeline.heads.published import export_published_hydra, heads_folder_kind, import_heads
-from pipeline.model import inspect_model_folder, provision_model, resolve_max_seq_len
+from pipeline.model.chat_templates import CHAT_TEMPLATES, VICUNA_SYSTEM, describe_chat_template, render, resolve_chat_template
+from pipeline.heads.published.convert import export_published_hydra, heads_folder_kind, import_heads
+from pipeline.model.provision import inspect_model_folder, provision_model, resolve_max_seq_len
 from runtime.fingerprint import weights_fingerprint
 from runtime.heads import load_heads
 from runtime.model import load_model, load_tokenizer
-from runtime.published import load_published
+from pipeline.heads.published.read import load_published
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import (
     POSITIONS, hf_reference, write_published_hydra, write_published_medusa, write_sharded_safetensors_folder, write_vicuna_bin_folder,
@@ -172,7 +172,7 @@ def test_published_heads_convert_strictly_and_draft_alike(own_model, tmp_path, l
 
     model = load_model(model_dir, dtype=torch.float32, max_seq_len=256)
     converted = load_heads(out, model=model, base_fingerprint=weights_fingerprint(model_dir))
-    direct = load_published(pub, model=model)  # runtime.published read in place: the reference
+    direct = load_published(pub, model=model)  # pipeline.heads.published.read read in place: the reference
     tok = load_tokenizer(model_dir)
     for prompt in PROMPTS:
         hidden, root = _prefill(model, tok.encode(prompt, add_special_tokens=False).ids)
@@ -229,7 +229,7 @@ def test_import_never_overwrites_trained_or_shipped_heads(own_model, tmp_path) -
 
 
 def test_bin_with_pickled_objects_is_refused(tmp_path) -> None:
-    from pipeline.model import convert_bin_weights
+    from pipeline.model.provision import convert_bin_weights
 
     torch.save({"model.embed_tokens.weight": torch.zeros(2, 2), "extra": Path("x")}, tmp_path / "pytorch_model.bin")
     (tmp_path / "out").mkdir()
@@ -247,7 +247,7 @@ def test_hub_unreachable_says_what_to_do(tmp_path, monkeypatch) -> None:
 def test_startup_validation_accepts_own_model_and_published_heads(own_model, tmp_path) -> None:
     from hydra import compose, initialize_config_dir
 
-    from pipeline.validate import config_problems
+    from pipeline.config.validate import config_problems
     from tests.helpers import REPO
 
     src, state, _, _, _ = own_model

@@ -97,7 +97,7 @@ def test_library_code_never_imports_a_stage_or_a_benchmark() -> None:
 
 def test_the_layer_check_sees_an_upward_import() -> None:
     graph = {"pipeline.loaders": {"pipeline.stages.model"}, "pipeline.rollout": {"pipeline.benchmarks.cost_curve"},
-             "pipeline.stages.model": {"pipeline.model"}, "pipeline.benchmarks.cost_curve": {"pipeline.timing.curves"}}
+             "pipeline.stages.model": {"pipeline.model.provision"}, "pipeline.benchmarks.cost_curve": {"pipeline.timing.curves"}}
     assert _upward_imports(graph) == ["pipeline.loaders imports pipeline.stages.model",
                                       "pipeline.rollout imports pipeline.benchmarks.cost_curve"]
 

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.fit_policy import PAPER_TAUS, fit_all_policies, fit_policies
+from pipeline.bank.policies import PAPER_TAUS, fit_all_policies, fit_policies
 from pipeline.grow import grow
-from pipeline.replay import BankReplay, oracle_replay, replay_policy
+from pipeline.replay.policy import BankReplay, replay_policy
+from pipeline.replay.oracle import oracle_replay
 from tests.helpers import synthetic_rollouts
 from runtime.policy import (
     AcceptEMA,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.experiments.policy_headroom import best_table_rate, walk_rate
-from pipeline.replay import oracle_schedule
+from pipeline.replay.oracle import oracle_schedule
 
 
 def _accept(seed: int, T: int = 200) -> np.ndarray:

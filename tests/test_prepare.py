@@ -24,7 +24,7 @@ from pipeline.prepare import (
     render_prompt,
 )
 
-from pipeline.schema import TRAIN_TASKS as TASKS
+from pipeline.config.schema import TRAIN_TASKS as TASKS
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -445,7 +445,7 @@ def test_heads_function_prompts_never_meet_a_calib_or_eval_prompt(prepared_tiny,
     """The heads' extra source (functions cut from sharegpt's train replies) is disjoint from every
     calib/eval split of every task: no equal prompt, no function an evaluated prompt defines."""
     from pipeline.heads.mix import _DEF_NAME, FUNCTIONS, read_train_rows
-    from pipeline.schema import TrainSettings
+    from pipeline.config.schema import TrainSettings
 
     s = TrainSettings(functions_from="sharegpt", max_prompt_tokens=512)
     funcs = read_train_rows(prepared_tiny, tiny_tok_dir, s)[FUNCTIONS]

@@ -14,7 +14,7 @@ import torch
 from runtime.api import EntMTP
 from runtime.bank import TopologyBank
 from runtime.decoder import TreeDecoder
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import ar_greedy, tiny_heads, tiny_model
 

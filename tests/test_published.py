@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from runtime.model import ModelArgs, Transformer
-from runtime.published import load_published, load_published_hydra, load_published_medusa, load_torch_weights
+from pipeline.heads.published.read import load_published, load_published_hydra, load_published_medusa, load_torch_weights
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import tiny_transformer
 

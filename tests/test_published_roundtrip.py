@@ -42,7 +42,7 @@ SIZE = ["threads=1", "profile.calib_prompts=2", "profile.max_new_tokens=16", "pr
 def compose_roundtrip(root: Path, task: str, heads_dir: Path, heads_name: str, stage: str, overrides: list[str]):  # noqa: ANN201
     from hydra import compose, initialize_config_dir
 
-    import pipeline.schema  # noqa: F401 - registers the schemas
+    import pipeline.config.schema  # noqa: F401 - registers the schemas
 
     with initialize_config_dir(config_dir=str(REPO_ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=[
@@ -54,7 +54,7 @@ def export_shipped(root: Path, model_name: str) -> tuple[Path, Path]:
     """(shipped heads folder, its published-layout export under `root`), exported once."""
     import torch
 
-    from pipeline.heads.published import export_published_hydra
+    from pipeline.heads.published.convert import export_published_hydra
     from runtime.heads import load_heads
     from runtime.model import load_model
 
@@ -75,7 +75,7 @@ def _same_files(a: Path, b: Path) -> dict[str, bool]:
 
 
 def compare_rollouts(a: Path, b: Path) -> dict[str, Any]:
-    from pipeline.rollout import load_rollout
+    from pipeline.rollout.record import load_rollout
 
     out: dict[str, Any] = {"files_identical": _same_files(a, b)}
     if all(out["files_identical"].values()):
@@ -96,7 +96,7 @@ def _decoded(recal: dict) -> list[dict]:
 def build_both_banks(root: Path, cfg_a, cfg_b, time_dir: Path) -> dict[str, Any]:  # noqa: ANN001 - DictConfigs
     """Both banks from the one timing file; their trees, best static tree and policies compared."""
     from pipeline.artifacts import read_json
-    from pipeline.bank.build import build_bank
+    from pipeline.bank.write import build_bank
     from pipeline.stages import bank as bank_stage
     from pipeline.stages import grow as grow_stage
     from pipeline.stages import merge as merge_stage

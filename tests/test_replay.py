@@ -7,19 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.replay import (
-    BankReplay,
-    PrefixIndex,
-    accept_lengths,
-    oracle_replay,
-    oracle_schedule,
-    rank_cap_of,
-    replay_policy,
-    replay_tokens_per_step,
-    replay_tree,
-    step_tokens,
-    walk,
-)
+from pipeline.replay.policy import BankReplay, replay_policy
+from pipeline.replay.accept import PrefixIndex, accept_lengths, rank_cap_of, replay_tokens_per_step, replay_tree, step_tokens, walk
+from pipeline.replay.oracle import oracle_replay, oracle_schedule
 from tests.helpers import synthetic_rollouts
 from runtime.policy import (
     ExpectedThroughputPolicy,

@@ -160,7 +160,7 @@ def test_numerical_divergences_are_listed_within_the_rounding_bound() -> None:
     """`lossless: numerical`: evaluate lists each output that leaves AR's with its position, AR's
     top-2 gap there and the bf16 rounding bound; the real divergences of the ordinary arithmetic
     lie within it, a forged one (a token AR's logits clearly reject) does not."""
-    from pipeline.evaluate import list_divergences
+    from pipeline.evaluate.run import list_divergences
 
     rows, recs, listed = [], {"AR": [], "tree": []}, 0
     for seed in range(6):
@@ -195,7 +195,7 @@ def test_row_blocks_give_each_block_its_own_products_result(dtype: torch.dtype, 
     """`by_row_blocks` returns, for every row, what the module computes on that row's block alone:
     on the first call (which probes how wide one product may be and still round the same), on later
     calls, and where the probes said that no wider product does."""
-    from runtime import model as model_mod
+    from runtime.model import llama as model_mod
 
     torch.manual_seed(0)
     lin = model_mod.Linear(48, 80, bias=False).to(dtype)
@@ -214,7 +214,7 @@ def test_row_blocks_give_each_block_its_own_products_result(dtype: torch.dtype, 
 def test_row_blocks_refuse_a_block_whose_rows_round_by_their_place() -> None:
     """No padded row count helps when a row's result depends on where it sits in the block: the
     probe says so, with what to do."""
-    from runtime import model as model_mod
+    from runtime.model import llama as model_mod
 
     class ByPlace(torch.nn.Module):  # adds a tiny amount that depends on the row's index
         def __init__(self) -> None:
@@ -234,7 +234,7 @@ def test_row_blocks_refuse_a_block_whose_rows_round_by_their_place() -> None:
 # differ from AR's (max |diff| ~0.3-0.6); calls of 8-row blocks only are bit-identical. So
 # lossless=exact in bfloat16 is not lossless for trees over 32 nodes (mc_sim_7b_63: see
 # tests/test_lossless_modes.py). Not strict: it depends on the CPU's bf16 kernels; an XPASS (-rX)
-# on the bench machine means runtime/model.py was fixed: drop the mark then.
+# on the bench machine means runtime/model/llama.py was fixed: drop the mark then.
 OVER_32_ROWS_BF16 = pytest.mark.xfail(strict=False, reason=(
     "bf16 row invariance breaks for forwards of > 32 rows: by_row_blocks' random-row probe accepts "
     "32-row calls that round real rows differently from 8-row blocks"))

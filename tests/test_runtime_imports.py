@@ -13,7 +13,7 @@ from tests.helpers import REPO, python_exe, subprocess_env
 
 RUNTIME_MODULES = (
     "runtime", "runtime.api", "runtime.cli", "runtime.decoder", "runtime.bank", "runtime.policy", "runtime.heads",
-    "runtime.model", "runtime.tree", "runtime.export", "runtime.generate", "runtime.fingerprint",
+    "runtime.model", "runtime.tree", "runtime.export.engines", "runtime.ar", "runtime.fingerprint",
 )
 FORBIDDEN = ("pipeline", "hydra", "omegaconf", "pandas", "matplotlib", "transformers", "datasets")
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.decoder import TreeDecoder, TypicalAcceptance
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.model import Transformer
 from runtime.policy import LadderPolicy, Scheduler
 from runtime.sampling import (RowPositions, Sampler, SamplingConfig, gumbel_noise, keyed_argmax,

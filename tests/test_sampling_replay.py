@@ -10,7 +10,7 @@ import torch
 
 from pipeline.paths import Layout, decoding_tag
 from pipeline.recalibrate import compare_step_by_step
-from pipeline.rollout import rollout_prompt
+from pipeline.rollout.record import rollout_prompt
 from runtime.decoder import TreeDecoder
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.tree import Tree, TreeBuffers

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pipeline.rollout import ARRAYS, load_rollout, merge_rollouts, run_rollout, shard_rows
+from pipeline.rollout.record import ARRAYS, load_rollout, run_rollout, shard_rows
+from pipeline.rollout.merge import merge_rollouts
 from tests.helpers import MODEL_NAME, REPO, TinyBundle, python_exe, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

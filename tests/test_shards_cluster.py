@@ -33,7 +33,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.artifacts import MANIFEST
-from pipeline.rollout import load_rollout
+from pipeline.rollout.record import load_rollout
 from tests.helpers import MODEL_NAME, REPO, TinyBundle, python_exe, subprocess_env, tiny_pipeline_overrides
 
 SHARDS = 2
@@ -222,7 +222,7 @@ def _launcher(name: str, keys: tuple[str, ...], *overrides: str, env: dict[str, 
     `env` (None: unset)."""
     from hydra import compose, initialize_config_dir
 
-    import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+    import pipeline.config.schema  # noqa: F401 - registers the typed config schemas with hydra
     from pipeline.paths import CONF_DIR
 
     with pytest.MonkeyPatch.context() as mp:

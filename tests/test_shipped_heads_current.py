@@ -10,8 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import pipeline.heads.build as heads_build
-import pipeline.schema  # noqa: F401 - registers the typed config
+import pipeline.heads.recipe as heads_build
+import pipeline.config.schema  # noqa: F401 - registers the typed config
 from pipeline.artifacts import why_not_up_to_date
 from pipeline.paths import Layout, default_model_name
 from pipeline.prepare import load_task_config, prepare_task

@@ -1,4 +1,4 @@
-"""The small-row CPU kernel (runtime.small_rows): right products and norms, each row's result
+"""The small-row CPU kernel (runtime.model.small_rows): right products and norms, each row's result
 independent of the row count, runtime.model using it only where it applies, and the kernel built at
 install time: its identity (`kernel_id`), a stale build refused, a missing one explained."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import model as model_mod
-from runtime import small_rows
+from runtime.model import llama as model_mod
+from runtime.model import small_rows
 
 needs_kernel = pytest.mark.skipif(not small_rows.available(),
                                   reason=f"small-row kernel unavailable: {small_rows.unavailable_reason()}")
@@ -161,7 +161,7 @@ def _reset_probe(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_kernel_id_is_none_when_disabled_and_names_the_isa_and_source_otherwise() -> None:
-    kid, reason = _fresh("from runtime import small_rows as s; print(s.kernel_id()); print(s.unavailable_reason())",
+    kid, reason = _fresh("from runtime.model import small_rows as s; print(s.kernel_id()); print(s.unavailable_reason())",
                          ENTMTP_SMALL_ROWS="0").splitlines()
     assert kid == "none" and "ENTMTP_SMALL_ROWS=0" in reason
     if not small_rows.available():
@@ -174,7 +174,7 @@ def test_kernel_id_is_none_when_disabled_and_names_the_isa_and_source_otherwise(
         assert small_rows.kernel_id() == f"small_rows-avx2-{sha[:12]}"
     finally:
         small_rows.set_isa("auto")
-    assert _fresh("from runtime import small_rows as s; print(s.kernel_id())", ENTMTP_SMALL_ROWS_ISA="avx2") \
+    assert _fresh("from runtime.model import small_rows as s; print(s.kernel_id())", ENTMTP_SMALL_ROWS_ISA="avx2") \
         == f"small_rows-avx2-{sha[:12]}"
 
 

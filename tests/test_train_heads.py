@@ -14,7 +14,7 @@ from pipeline.heads import TrainSettings, select_prompts, train_heads
 from pipeline.heads.distill import build_selfdistill, generate_batch
 from pipeline.heads.report import evaluate_heads
 from pipeline.heads.train import distill_loss, sequence_batch, train_loop
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, load_heads
 from runtime.model import load_model
 
@@ -202,7 +202,7 @@ def test_stage_writes_loadable_heads_and_is_skipped_when_up_to_date(tiny_dir: Pa
     assert {"config.json", "heads.safetensors", "report.json", "manifest.json"} <= {p.name for p in out.iterdir()}
     report = json.loads((out / "report.json").read_text())
     assert report["sequences"] == 2 and len(report["top1"]) == 3 and report["steps"] == 6
-    from pipeline.model import model_fingerprint
+    from pipeline.model.provision import model_fingerprint
 
     fp = model_fingerprint(tiny_dir)
     model = load_model(tiny_dir, max_seq_len=64)
@@ -234,7 +234,7 @@ def test_a_training_step_stays_on_the_models_device(tiny_dir: Path, tmp_path: Pa
     heads' device (`DeviceCheck` flags every factory called without a device, so a CPU-only run
     finds what would break on a GPU); then one whole step of `train_loop` with an autocast dtype."""
     from pipeline.heads.train import draft_vocabulary
-    from runtime.debug import DeviceCheck
+    from tests.helpers.device_check import DeviceCheck
 
     heads = make_heads(tiny_dir, kind=kind, prefix_layer=prefix, output=output,
                        draft_vocab_size=40 if output == "draft" else None)

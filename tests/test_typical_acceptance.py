@@ -212,7 +212,7 @@ def test_cli_generate_with_typical_acceptance(bundle, capsys) -> None:  # noqa: 
 
 
 def test_config_refuses_typical_acceptance_with_sampling(bundle, tmp_path) -> None:  # noqa: ANN001 - fixtures
-    from pipeline.validate import config_problems
+    from pipeline.config.validate import config_problems
 
     cfg = tiny_pipeline_cfg(tmp_path, tmp_path, bundle, "acceptance.kind=typical", "sampling.temperature=0.7")
     assert any("acceptance.kind=typical decides with its own temperature" in p for p in config_problems(cfg))

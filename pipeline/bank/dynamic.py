@@ -7,7 +7,7 @@ picks, so a step verifying n nodes costs draft(S) + verify(n) + fixed (the time 
 trees at its deepest max depth and the sizes `dynamic.super_sizes` (draft nodes), at most
 MAX_SUPER_NODES nodes (a subset is keyed by a bitmask in one int64) and no more rows than the cost
 model measured (past them its verify cost is only extrapolated). The calibration rollout is scored
-for every candidate (`pipeline.rollout.score_prompt`), and `pipeline.fit_policy.fit_dynamic` keeps
+for every candidate (`pipeline.rollout.score_prompt`), and `pipeline.bank.policies.fit_dynamic` keeps
 the candidate and calibration with the best replayed tokens per second.
 """
 
@@ -91,8 +91,8 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
     load_scores`) that the cost model covers and the early-stop thresholds `stop_below`, with the
     replayed share of the bank's oracle and of the super-tree's hindsight ceiling ("ceiling");
     None when no candidate is left."""
-    from pipeline.fit_policy import fit_dynamic
-    from pipeline.replay import dynamic_ceiling
+    from pipeline.bank.policies import fit_dynamic
+    from pipeline.replay.dynamic import dynamic_ceiling
     from runtime.dynamic import MAX_SUPER_NODES, DynamicPolicy
     from runtime.tree import Tree
 

@@ -19,7 +19,7 @@ def bank_members(cands: list[dict], rollouts: list[dict], members: str = "oracle
     the measured step costs) picks on at least `min_oracle_share` of the calibration steps: a tree
     that loses on average can still win on the confident steps, and only a tree in the bank can
     be switched to. Where the hull already holds those trees, both rules give the same bank."""
-    from pipeline.replay import oracle_replay
+    from pipeline.replay.oracle import oracle_replay
 
     if members not in MEMBERS:
         raise ValueError(f"bank members {members!r}: choose one of {MEMBERS}")
@@ -56,7 +56,7 @@ def throughput_hull(nodes: list[int], tok_per_s: list[float]) -> list[int]:
 
 def batch_choices(batch: dict[str, Any], members: list[int], nodes: list[int], best_static: int,
                   tolerance: float) -> dict[str, dict[str, Any]]:
-    """The bank's "batch_sizes" record (the contract in `runtime.schedule`) from the time stage's
+    """The bank's "batch_sizes" record (the contract in `runtime.export.schedule`) from the time stage's
     batch axis: at each batch size, every bank tree's modeled batched step and batch tok/s
     (`members`: the bank trees' indices among the timed candidates; `nodes`: their sizes), the
     best tree (the smallest within `tolerance` of the fastest; none where that is the root alone
@@ -92,7 +92,7 @@ def batch_replays(rollouts: list[dict], trees: list[Tree], policies: dict[str, d
     the bank's tree for that batch size, the batch scheduler (`runtime.policy.BatchScheduler` over
     the expected-throughput policy's table) and the batch oracle (the same allocation knowing every
     sequence's accepted length), with each one's share of the oracle."""
-    from pipeline.replay import BankReplay, replay_batch
+    from pipeline.replay.policy import BankReplay, replay_batch
     from runtime.policy import BatchScheduler, ExpectedThroughputPolicy, make_signal, policy_from_dict
 
     data = BankReplay.build(rollouts, [t.paths for t in trees])

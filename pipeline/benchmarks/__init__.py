@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_bytes
 from pipeline.paths import Layout, default_model_name
-from pipeline.schema import TRAIN_TASKS as TASKS  # noqa: F401 - the benchmarks' default tasks
+from pipeline.config.schema import TRAIN_TASKS as TASKS  # noqa: F401 - the benchmarks' default tasks
 
 REPORT_DIR = Path("artifacts") / "reports" / "benchmarks"
 # the converted folder of the config's default model

@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 from pipeline.artifacts import atomic_write_bytes, machine_info
 from pipeline.paths import Layout, default_model_name
 from pipeline.prepare import read_split
-from pipeline.schema import TRAIN_TASKS
+from pipeline.config.schema import TRAIN_TASKS
 from runtime.decoder import TreeDecoder
 from runtime.device import clock
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import load_heads
 from runtime.model import load_model
 from runtime.tree import Tree, TreeBuffers

@@ -35,11 +35,11 @@ from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import REPORT_DIR
-from pipeline.evaluate import list_divergences
+from pipeline.evaluate.run import list_divergences
 from pipeline.prepare import read_split
 from runtime.bank import TopologyBank
 from runtime.decoder import TreeDecoder
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import load_heads
 from runtime.model import load_model
 from runtime.policy import Scheduler, policy_from_dict

@@ -42,8 +42,8 @@ from torch import Tensor
 
 from pipeline.artifacts import atomic_write_json, machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median
-from runtime import model as model_mod
-from runtime.model import Attention, ModelArgs, RowPlan, Transformer, load_model, load_tokenizer
+from runtime.model import llama as model_mod
+from runtime.model.llama import Attention, ModelArgs, RowPlan, Transformer, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What the small-row CPU kernels (runtime.small_rows) buy: whole base-model forwards, kernels
+"""What the small-row CPU kernels (runtime.model.small_rows) buy: whole base-model forwards, kernels
 against torch's products, side by side.
 
     python -m pipeline.benchmarks.small_rows_speed [--rows 1 2 3 5 9 17 33] [--context 300] [--repeats 9] [--bf16]
@@ -14,7 +14,7 @@ interleave both models. Prints ms and each forward's cost in one-token forwards 
 Writes artifacts/reports/benchmarks/small_rows_speed.{csv,json}.
 
 `--attention` times the attention kernel alone, the part of a forward that grows with the context:
-every layer's `runtime.small_rows.attention` call on the model's head shapes, N rows of a chain after
+every layer's `runtime.model.small_rows.attention` call on the model's head shapes, N rows of a chain after
 each of `--contexts` cached positions (random queries and caches), median of `--repeats` x 20 calls.
 Prints ms per forward (all layers) and each N's cost in one-row calls.
 """
@@ -28,7 +28,7 @@ import torch
 
 from pipeline.artifacts import atomic_write_json, machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
-from runtime import small_rows
+from runtime.model import small_rows
 from runtime.model import Transformer, load_model
 
 

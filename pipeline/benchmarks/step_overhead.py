@@ -38,7 +38,7 @@ from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, task_prom
 from pipeline.timing.step_cost import StepParts
 from runtime.decoder import TreeDecoder
 from runtime.device import clock
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, load_heads
 from runtime.model import Transformer, load_model
 from runtime.tree import TREES_DIR, Tree, TreeBuffers

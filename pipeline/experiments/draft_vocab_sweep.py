@@ -37,12 +37,12 @@ import torch
 from pipeline.paths import Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import median, write_csv
-from pipeline.schema import TRAIN_TASKS
+from pipeline.config.schema import TRAIN_TASKS
 from pipeline.heads.draft_vocab import FrequencySettings, draft_vocab_heads, read_frequencies, token_frequencies
 from pipeline.prepare import read_split
-from pipeline.replay import replay_tokens_per_step
+from pipeline.replay.accept import replay_tokens_per_step
 from runtime.decoder import TreeDecoder
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, draft_arithmetics, load_heads
 from runtime.model import Transformer, load_model
 from runtime.tree import Tree, TreeBuffers

@@ -159,7 +159,7 @@ def learned_replay(rollouts: Sequence[dict], features: Sequence[np.ndarray], mod
     (at most 1) under an accepted ancestor, else 0."""
     import torch
 
-    from pipeline.replay import replay_dynamic
+    from pipeline.replay.dynamic import replay_dynamic
     from runtime.dynamic import DynamicPolicy
 
     class GivenValues(DynamicPolicy):
@@ -198,7 +198,7 @@ def learned_rows(rollouts: Sequence[dict], scores: Sequence[np.ndarray], policy:
     (best early stop of STOP_GRID), and 2-fold (fitted, early stop included, on the even prompts and
     scored on the odd ones, then the other way; pooled tokens over pooled time); and in-sample again
     with the depth-1 outcome revealed (`learned_replay`'s `reveal`), knowledge no signal has."""
-    from pipeline.replay import replay_dynamic
+    from pipeline.replay.dynamic import replay_dynamic
 
     tree = policy.super_tree.to_tree()
     feats = [node_features(r, np.asarray(sc), tree)[0] for r, sc in zip(rollouts, scores)]
@@ -230,8 +230,9 @@ def learned_rows(rollouts: Sequence[dict], scores: Sequence[np.ndarray], policy:
 
 
 def task_headroom(bank_dir: Path, work: Path) -> list[dict[str, Any]]:
-    from pipeline.replay import dynamic_ceiling, replay_dynamic
-    from pipeline.rollout import load_rollout, load_scores
+    from pipeline.replay.dynamic import dynamic_ceiling, replay_dynamic
+    from pipeline.rollout.record import load_rollout
+    from pipeline.rollout.scores import load_scores
     from runtime.bank import TopologyBank
     from runtime.tree import Tree
 

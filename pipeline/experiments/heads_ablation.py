@@ -36,15 +36,15 @@ import torch
 from pipeline.artifacts import atomic_write_json, hash_obj, machine_info, read_json
 from pipeline.benchmarks import write_csv
 from pipeline.experiments.draft_vocab_sweep import REPLAY_TREES
-from pipeline.heads.build import heads_config_for
+from pipeline.heads.recipe import heads_config_for
 from pipeline.heads.distill import build_selfdistill
 from pipeline.heads.mix import read_train_rows, select_prompts
 from pipeline.heads.report import evaluate_heads
 from pipeline.heads.train import train_loop
-from pipeline.model import model_fingerprint
+from pipeline.model.provision import model_fingerprint
 from pipeline.paths import CONF_DIR, Layout, default_model_name
 from pipeline.prepare import read_split
-from pipeline.schema import TRAIN_TASKS, TrainSettings
+from pipeline.config.schema import TRAIN_TASKS, TrainSettings
 from runtime.heads import DraftHeads
 from runtime.model import ModelArgs, load_model
 

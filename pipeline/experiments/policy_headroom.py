@@ -28,8 +28,9 @@ import numpy as np
 from pipeline.artifacts import atomic_write_json, read_json
 from pipeline.benchmarks import write_csv
 from pipeline.experiments import bank_layouts, bank_study_args
-from pipeline.replay import BankReplay, oracle_replay, replay_policy
-from pipeline.rollout import load_rollout
+from pipeline.replay.policy import BankReplay, replay_policy
+from pipeline.replay.oracle import oracle_replay
+from pipeline.rollout.record import load_rollout
 from runtime.tree import Tree
 
 BUCKET_COUNTS = (2, 4, 8, 16, 32)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pipeline.schema  # noqa: F401 - registers the typed config schemas with hydra
+import pipeline.config.schema  # noqa: F401 - registers the typed config schemas with hydra
 from pipeline.artifacts import atomic_write_bytes, machine_info, read_json
 from pipeline.graph import compose_cfg
 from pipeline.paths import Layout

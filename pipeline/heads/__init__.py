@@ -13,9 +13,9 @@ they are trained on self-distillation text:
 * `build`: all of it as one stage output, `artifacts/heads/<model>/<name>/`.
 """
 
-from pipeline.heads.build import heads_config_for, train_heads
+from pipeline.heads.recipe import heads_config_for, train_heads
 from pipeline.heads.mix import FUNCTIONS, function_prompts, function_texts, read_train_rows, select_prompts
-from pipeline.schema import TrainSettings
+from pipeline.config.schema import TrainSettings
 
 __all__ = ["FUNCTIONS", "TrainSettings", "function_prompts", "function_texts", "heads_config_for", "read_train_rows",
            "select_prompts", "train_heads"]

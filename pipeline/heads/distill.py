@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, hash_obj
-from pipeline.schema import TrainSettings
+from pipeline.config.schema import TrainSettings
 from runtime.sampling import gumbel_noise
 
 log = logging.getLogger(__name__)

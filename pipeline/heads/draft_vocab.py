@@ -35,8 +35,8 @@ import numpy as np
 
 from pipeline.paths import REPO_ROOT, Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, hash_obj, run_stage
-from pipeline.model import model_fingerprint
-from pipeline.schema import TRAIN_TASKS
+from pipeline.model.provision import model_fingerprint
+from pipeline.config.schema import TRAIN_TASKS
 from runtime.config import CONFIG_FILE, DRAFT_DTYPES, WEIGHTS_FILE, HeadsConfig
 
 if TYPE_CHECKING:  # torch is imported where heads are built: an up-to-date check reads checksums only
@@ -271,7 +271,7 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
 def check_shared_output(folder: str | Path) -> None:
     """Refuse heads whose output layers are their own (published Hydra/Hydra++/Medusa folders, or
     project heads with output own/draft): a draft vocabulary restricts the base lm_head they share."""
-    from pipeline.heads.published import heads_folder_kind
+    from pipeline.heads.published.convert import heads_folder_kind
 
     folder = Path(folder)
     kind = heads_folder_kind(folder)

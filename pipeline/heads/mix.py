@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.schema import TrainSettings
+from pipeline.config.schema import TrainSettings
 
 FUNCTIONS = "functions"  # the source name of the cut-out function prompts
 

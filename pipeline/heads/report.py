@@ -17,7 +17,7 @@ def evaluate_heads(heads: DraftHeads, seqs: list[dict[str, torch.Tensor]], rank_
     """Top-1 / top-5 accuracy of each head against the base greedy token, and replayed tokens per
     step of a few trees (`trees`, name -> Tree; default: the chains and mc_sim_7b_63), on
     held-out continuations (rank paths as in `pipeline.replay`)."""
-    from pipeline.replay import replay_tokens_per_step
+    from pipeline.replay.accept import replay_tokens_per_step
     from runtime.tree import Tree
 
     heads.eval()

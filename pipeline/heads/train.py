@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes
-from pipeline.schema import TrainSettings
+from pipeline.config.schema import TrainSettings
 from runtime.heads import DraftHeads
 
 log = logging.getLogger(__name__)

@@ -53,7 +53,7 @@ Modules: `task_config` (reading and checking configs), `readers` (file formats),
 from this package (`from pipeline.prepare import read_split`), which re-exports their public names.
 """
 
-from pipeline.prepare.build import PREPARE_VERSION, prepare_task
+from pipeline.prepare.write import PREPARE_VERSION, prepare_task
 from pipeline.prepare.cli import main
 from pipeline.prepare.records import _MISSING, get_path, load_records
 from pipeline.prepare.render import TOKENIZER_FILES, load_chat_tokenizer, render_prompt, tokenizer_fingerprint

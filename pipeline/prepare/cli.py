@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from pipeline.artifacts import read_json
-from pipeline.prepare.build import prepare_task
+from pipeline.prepare.write import prepare_task
 from pipeline.prepare.task_config import load_profile_config, load_task_config
 
 

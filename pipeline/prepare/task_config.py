@@ -10,7 +10,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from pipeline.model import find_package_file
+from pipeline.model.provision import find_package_file
 
 SPLITS = ("eval", "calib", "train")
 FORMATS = ("jsonl", "jsonl.gz", "json")
@@ -26,7 +26,7 @@ def load_task_config(name_or_path: str | Path, conf_dir: str | Path = CONF_DIR) 
     """Read a task YAML (a path to a file, or the name of one in `conf/task/`) through the task schema."""
     from omegaconf import OmegaConf
 
-    from pipeline.schema import TaskConfig
+    from pipeline.config.schema import TaskConfig
 
     path = Path(name_or_path)
     if not path.suffix:

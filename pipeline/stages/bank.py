@@ -18,9 +18,9 @@ from pipeline.stages import heads as heads_stage
 from pipeline.stages import merge as merge_stage
 from pipeline.stages import model as model_stage
 from pipeline.stages import recalibrate as recalibrate_stage
-from pipeline.stages import rollout_scores
+from pipeline.stages import scores as scores_stage
 from pipeline.stages import time as time_stage
-from pipeline.stages.inputs import runtime_key
+from pipeline.graph import runtime_key
 from pipeline.stages.rollout import calib_rows
 from pipeline.stages.prepare import rows_hash
 
@@ -49,15 +49,15 @@ def output(cfg: DictConfig) -> Path:
     key = {**runtime_key(cfg), **config_key(cfg, READS), "policy": policy_settings(cfg),
            "time": output_digest(time_dir), "recalibrate": output_digest(recal_dir), "grow": output_digest(grow_dir),
            "rollout": output_digest(rollout_dir)}
-    scores_dir = rollout_scores.output(cfg) if rollout_scores.wanted(cfg) else None  # EntMTP-dyn's inputs
+    scores_dir = scores_stage.output(cfg) if scores_stage.wanted(cfg) else None  # EntMTP-dyn's inputs
     if scores_dir is not None:
         key.update({"dynamic": plain(cfg.dynamic), "scores": output_digest(scores_dir)})
 
     def build(tmp: Path) -> dict[str, Any]:
-        from pipeline.bank.build import build_bank  # matplotlib: only when the bank is (re)built
+        from pipeline.bank.write import build_bank  # matplotlib: only when the bank is (re)built
 
         rk = runtime_key(cfg)
-        dynamic = None if scores_dir is None else rollout_scores.bank_inputs(cfg, scores_dir, time_dir)
+        dynamic = None if scores_dir is None else scores_stage.bank_inputs(cfg, scores_dir, time_dir)
         return build_bank(
             tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
             frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=policy_settings(cfg),
@@ -75,7 +75,7 @@ def output(cfg: DictConfig) -> Path:
                 "calib_hash": rows_hash(calib_rows(cfg)), "dtype": rk["dtype"],
                 # the arithmetic its figures were measured in (runtime.api.EntMTP.load uses it by default)
                 "lossless": str(cfg.lossless), "invariant_rows": rk.get("invariant_rows"),
-                # the CPU kernels its arithmetic ran through (`runtime.small_rows.kernel_id`), or "none"
+                # the CPU kernels its arithmetic ran through (`runtime.model.small_rows.kernel_id`), or "none"
                 "kernel": rk["kernel"],
                 "machine": read_json(time_dir / "timing.json")["machine"], "config": _bank_config(cfg),
             },

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.schema import TRAIN_TASKS
+from pipeline.config.schema import TRAIN_TASKS
 from pipeline.paths import Layout
 
 READS = ()

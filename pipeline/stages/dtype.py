@@ -21,16 +21,16 @@ FILE = "dtype.json"
 
 
 def kernel_id() -> str:
-    """Which float32 CPU kernels run here (`runtime.small_rows.kernel_id`: the ISA and source
+    """Which float32 CPU kernels run here (`runtime.model.small_rows.kernel_id`: the ISA and source
     digest, or "none"): they change the arithmetic, so every key that depends on it records it."""
-    from runtime.small_rows import kernel_id as kid
+    from runtime.model.small_rows import kernel_id as kid
 
     return kid()
 
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.model import model_fingerprint
+    from pipeline.model.provision import model_fingerprint
 
     model_dir = model_stage.output(cfg)
     rows = invariant_rows(cfg)

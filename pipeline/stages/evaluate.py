@@ -13,7 +13,7 @@ from pipeline.artifacts import run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest
 from pipeline.paths import Layout
 from pipeline.stages import bank as bank_stage
-from pipeline.stages.inputs import runtime_key, runtime_spec
+from pipeline.graph import runtime_key, runtime_spec
 from pipeline.stages.prepare import rows_hash, split_rows
 
 READS = ("evaluate", "profile.eval_prompts", "sampling", "acceptance")
@@ -27,7 +27,7 @@ def output(cfg: DictConfig) -> Path:
     key = {**runtime_key(cfg), **config_key(cfg, READS), "prompts": rows_hash(rows), "bank": output_digest(bank_dir)}
 
     def build(tmp: Path) -> dict:
-        from pipeline.evaluate import evaluate  # pandas, transformers: only when evaluating
+        from pipeline.evaluate.run import evaluate  # pandas, transformers: only when evaluating
 
         return evaluate(cfg, tmp, bank_dir, rows[:n_single], runtime_spec(cfg), Layout.from_cfg(cfg).heads_dir("medusa"),
                         batch_rows=rows[:n_batch])

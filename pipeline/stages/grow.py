@@ -24,8 +24,8 @@ def output(cfg: DictConfig) -> Path:
 
     def build(tmp: Path) -> dict[str, Any]:
         from pipeline.grow import grow, top_count_tree
-        from pipeline.replay import replay_tokens_per_step
-        from pipeline.rollout import load_rollout
+        from pipeline.replay.accept import replay_tokens_per_step
+        from pipeline.rollout.record import load_rollout
         from runtime.tree import Tree
 
         rollouts = load_rollout(rollout_dir)

@@ -1,7 +1,7 @@
 """heads: the draft heads folder — `heads.dir` when given, else heads trained for this model
 (shipped ones are up to date when their manifest's key matches), which first prepares the train
 pools the training mix reads. Its key (head shape, `heads.train`, the training rows' content,
-the model's fingerprint) is built in `pipeline.heads.build.train_heads`. With
+the model's fingerprint) is built in `pipeline.heads.recipe.train_heads`. With
 `heads.draft_vocab.size` the stage then derives heads drafting over a frequency-ranked vocabulary
 (`pipeline.heads.draft_vocab`), and every later stage uses those."""
 
@@ -48,7 +48,7 @@ def output(cfg: DictConfig) -> Path:
 def _full_heads(cfg: DictConfig, model_dir: Path, lay: Layout) -> Path:
     """The full-vocabulary heads: `heads.dir`, or heads trained for this model."""
     if cfg.heads.dir:
-        from pipeline.heads.published import import_heads
+        from pipeline.heads.published.convert import import_heads
 
         # project-format heads are used as they are; published Hydra/Hydra++/Medusa folders are
         # converted once into artifacts/heads/<model>/<name>/ (with the source's checksum)

@@ -29,7 +29,7 @@ def output(cfg: DictConfig) -> Path:
     order = [r["id"] for r in rollout_stage.calib_rows(cfg)]
 
     def build(tmp: Path) -> dict[str, Any]:
-        from pipeline.rollout import merge_rollouts
+        from pipeline.rollout.merge import merge_rollouts
 
         return merge_rollouts(shard_dirs, order, tmp)
 

@@ -14,6 +14,6 @@ READS = ("model",)
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.model import provision_model
+    from pipeline.model.provision import provision_model
 
     return provision_model(plain(cfg.model), cfg.artifacts_dir, force=forced(cfg, "model"))

@@ -14,7 +14,7 @@ from pipeline.loaders import sampler_from_cfg, tree_decoder
 from pipeline.paths import Layout
 from pipeline.stages import grow as grow_stage
 from pipeline.stages import merge as merge_stage
-from pipeline.stages.inputs import runtime_key, runtime_spec
+from pipeline.graph import runtime_key, runtime_spec
 from pipeline.stages.prepare import rows_hash, split_rows
 
 READS = ("profile.recalib_prompts", "profile.max_new_tokens", "profile.rank_cap", "sampling", "acceptance",
@@ -30,7 +30,7 @@ def output(cfg: DictConfig) -> Path:
 
     def build(tmp: Path) -> dict[str, Any]:
         from pipeline.recalibrate import recalibrate
-        from pipeline.rollout import load_rollout
+        from pipeline.rollout.record import load_rollout
 
         cands = grow_stage.candidate_trees(cfg)
         rollouts = {r["id"]: r for r in load_rollout(rollout_dir)}

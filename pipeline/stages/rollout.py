@@ -1,6 +1,6 @@
 """rollout: one shard of the calibration rollout — AR greedy continuations of the first
 `profile.calib_prompts` calibration prompts, with every step's rank path (EntMTP-dyn's head
-scores of the merged rollout: `pipeline.stages.rollout_scores`)."""
+scores of the merged rollout: `pipeline.stages.scores`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pipeline.artifacts import run_stage
 from pipeline.graph import config_key, forced, once_per_config
 from pipeline.loaders import load_runtime, sampler_from_cfg
 from pipeline.paths import Layout
-from pipeline.stages.inputs import runtime_key, runtime_spec
+from pipeline.graph import runtime_key, runtime_spec
 from pipeline.stages.prepare import rows_hash, split_rows
 
 # what the rollout's content depends on (the shard fields only say which part of it this is)
@@ -32,7 +32,7 @@ def content_key(cfg: DictConfig) -> dict[str, Any]:
 
 @once_per_config
 def output(cfg: DictConfig) -> Path:
-    from pipeline.rollout import run_rollout, shard_rows
+    from pipeline.rollout.record import run_rollout, shard_rows
 
     shard, n = int(cfg.rollout.shard), int(cfg.rollout.num_shards)
     out = Layout.from_cfg(cfg).work / "shards" / f"{shard}-of-{n}"

@@ -22,7 +22,7 @@ from pipeline.stages import grow as grow_stage
 from pipeline.stages import merge as merge_stage
 from pipeline.stages import recalibrate as recalibrate_stage
 from pipeline.stages.dtype import resolve_dtype
-from pipeline.stages.inputs import runtime_key, runtime_spec
+from pipeline.graph import runtime_key, runtime_spec
 from pipeline.stages.prepare import rows_hash, split_rows
 
 READS = ("time", "profile.timing_prompts", "profile.calib_prompts", "profile.max_new_tokens", "sampling", "acceptance", *grow_stage.CANDIDATES)
@@ -45,9 +45,9 @@ def output(cfg: DictConfig) -> Path:
         key["recalibrate"] = output_digest(recal_dir)
 
     def build(tmp: Path) -> dict[str, Any]:
-        from pipeline.replay import replay_tokens_per_step
-        from pipeline.rollout import load_rollout
-        from pipeline.timing.build import build_timing
+        from pipeline.replay.accept import replay_tokens_per_step
+        from pipeline.rollout.record import load_rollout
+        from pipeline.timing.measure import build_timing
         from runtime.tree import Tree
 
         cands = grow_stage.candidate_trees(cfg)

@@ -19,7 +19,7 @@ import torch
 
 from runtime.decoder import TreeDecoder, greedy_chain_top1
 from runtime.device import clock
-from runtime.generate import ar_generate
+from runtime.ar import ar_generate
 from runtime.sampling import Sampler
 
 

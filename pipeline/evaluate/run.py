@@ -1,0 +1,767 @@
+"""Evaluate stage: the paper's Table 1 on our model and machine, on the held-out `eval` split.
+
+Every prompt is decoded by every method in turn (interleaved, so drift of a shared machine hits
+all methods alike). Figures: tok/s with and without prefill, tokens per step, speedups against
+AR and against Hydra's default tree, the share of outputs token-identical to AR, continuation
+perplexity under the base model, and the oracle's replayed figure (best tree per step in
+hindsight over the bank, an upper bound for any policy over it).
+
+At `sampling.temperature` > 0 every method decodes with the run's seeded sampler and the
+reference is seeded AR; typical acceptance is added, and every method gets the distance of its
+output from the model's sampling distribution (pipeline/evaluate/sampling.py). transformers'
+generate is left out there (its sampler draws other noise, so it cannot match seeded AR).
+
+Then the batch axis (`evaluate_batches`, under lossless=exact): the eval split's first
+`evaluate.batch_prompts` prompts in groups of each of `evaluate.batch_sizes`, decoded by batched AR,
+the bank's static tree per batch size (its serving schedule), its batch-1 tree at every batch size
+and its default policy, interleaved per group; batch throughput against batched AR, and every
+sequence checked against that prompt decoded alone by AR (batch_table.md, batch_throughput.png).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+from pipeline.loaders import RuntimeSpec
+from runtime.device import clock
+
+Decode = Callable[[list[int], int], dict[str, Any]]
+
+
+log = logging.getLogger(__name__)
+
+def _spec_method(decoder, choose, sampler=None) -> Decode:
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        r = decoder.generate(ids, n, choose=choose if isinstance(choose, int) else choose(), sampler=sampler)
+        return {"tokens": r.tokens, "prefill_s": r.prefill_seconds, "decode_s": r.decode_seconds, "steps": len(r.steps),
+                "trees": [s.tree for s in r.steps], "signals": [s.signal for s in r.steps],
+                "accepted": [s.accepted for s in r.steps],
+                # nodes verified per step: a dynamic step's tree is no bank index (tree == DYNAMIC_TREE)
+                "nodes": [s.nodes for s in r.steps]}
+    return run
+
+
+def _ar_method(model, sampler=None) -> Decode:
+    from runtime.ar import ar_generate
+
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        # each streamed token has been read on the host, so these clock reads follow a synchronisation
+        marks: list[float] = []
+        t0 = clock(model.device)
+        toks = ar_generate(model, ids, n, stream=lambda _tok: marks.append(time.perf_counter()), sampler=sampler)
+        t1 = clock(model.device)
+        pre = marks[0] - t0 if marks else t1 - t0
+        return {"tokens": toks, "prefill_s": pre, "decode_s": t1 - t0 - pre, "steps": max(len(toks) - 1, 0)}
+    return run
+
+
+def _hf_method(model_dir: Path, device: torch.device, dtype: torch.dtype) -> Decode:
+    """transformers' own greedy generate on the same device and dtype as our runtime's model."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+
+    @torch.inference_mode()
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        x = torch.tensor([ids], device=device)
+        t0 = clock(device)
+        hf(x)  # prefill alone, to split prefill from decode time
+        pre = clock(device) - t0
+        t0 = clock(device)
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=hf.config.eos_token_id)
+        total = clock(device) - t0
+        toks = out[0, len(ids):].tolist()
+        eos = hf.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos])
+        for j, t in enumerate(toks):
+            if t in eos:
+                toks = toks[: j + 1]
+                break
+        return {"tokens": toks, "prefill_s": pre, "decode_s": max(total - pre, 1e-9), "steps": max(len(toks) - 1, 0)}
+    return run
+
+
+def _ordinary_ar_method(model, sampler=None) -> Decode:
+    """AR with the ordinary arithmetic on the row-invariant model (`lossless: exact`): the speed
+    that invariance is paid against, side by side."""
+    ar = _ar_method(model, sampler)
+
+    def run(ids: list[int], n: int) -> dict[str, Any]:
+        rows = model.invariant_rows
+        model.set_row_invariance(None)
+        try:
+            return ar(ids, n)
+        finally:
+            model.set_row_invariance(rows)
+    return run
+
+
+# unit roundoff u = 2^-p of each dtype (p: significand bits, the implicit one included)
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
+
+
+@torch.inference_mode()
+def _ar_reference_row(model, ids: list[int], ar_tokens: list[int], t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits row [V] (float32) and final-normed hidden state [dim] with which AR chose its
+    token t: the same prefill, then AR's one-token forwards (in the model's current arithmetic)."""
+    dev = model.device
+    model.reset_cache()
+    logits, hidden = model(torch.tensor([ids], device=dev), torch.arange(len(ids), device=dev), last_only=True)
+    for tok in ar_tokens[:t]:
+        logits, hidden = model(torch.tensor([[tok]], device=dev), torch.tensor([model.cache_len], device=dev))
+    return logits[0, -1], hidden[0, -1]
+
+
+def list_divergences(model, rows: list[dict], recs: dict[str, list[dict]], dtype: str) -> list[dict[str, Any]]:
+    """Every output that leaves AR's: where (prompt, first differing position, method), AR's top-2
+    logit gap there, and whether that gap lies within the rounding bound of `dtype`.
+
+    The bound. Two arithmetics of the same forward (AR's one-token product, a tree verify's N-row
+    one) compute logit j = sum_i h_i w_ji from final hidden states that agree to within the
+    dtype's rounding; with u the unit roundoff and S_j = sum_i |h_i w_ji| (the dot product's
+    accumulated magnitude) a relative difference of at most 2u in h (both sides rounded once
+    each) moves logit j by at most 2u S_j, and rounding the result in each arithmetic by at most
+    2u |z_j| <= 2u S_j more: |dz_j| <= 4u S_j. The argmax can move from AR's token a to b only if
+    z_a - z_b <= |dz_a| + |dz_b|, so a divergence that rounding explains has
+    gap(a, b) <= bound = 4u (S_a + S_b); AR's top-2 gap is at most gap(a, b). A divergence
+    outside the bound is not rounding of this kind (a bug, or a method with other arithmetic
+    altogether, like transformers' generate)."""
+    u = UNIT_ROUNDOFF[dtype]
+    out: list[dict[str, Any]] = []
+    ar = {r["id"]: r["tokens"] for r in recs["AR"]}
+    weight = model.output.weight
+    for method, rs in recs.items():
+        if method == "AR":
+            continue
+        for row, r in zip(rows, rs):
+            ref, got = ar[r["id"]], r["tokens"]
+            if got == ref:
+                continue
+            t = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), min(len(ref), len(got)))
+            if t >= min(len(ref), len(got)):  # one stopped early (EOS): no position where both chose
+                out.append({"prompt": r["id"], "method": method, "position": t, "kind": "length"})
+                continue
+            logits, h = _ar_reference_row(model, row["input_ids"], ref, t)
+            a, b = ref[t], got[t]
+            top2 = logits.topk(2).values
+            s = (h.float().abs()[None] * weight[[a, b]].float().abs()).sum(-1)
+            bound = 4 * u * float(s.sum())
+            gap_ab = float(logits[a] - logits[b])
+            out.append({"prompt": r["id"], "method": method, "position": t, "ar_token": a, "method_token": b,
+                        "top2_gap": round(float(top2[0] - top2[1]), 6), "gap_ar_vs_method_token": round(gap_ab, 6),
+                        "bound": round(bound, 6), "within_bound": gap_ab <= bound, "kind": "token"})
+    return out
+
+
+@torch.inference_mode()
+def continuation_nll(model, prompt: list[int], cont: list[int]) -> float:
+    """Mean negative log-likelihood (nats) of `cont` after `prompt` under the base model."""
+    if not cont:
+        return float("nan")
+    dev = model.device
+    seq = torch.tensor([prompt + cont[:-1]], device=dev)
+    model.reset_cache()
+    logits, _ = model(seq, torch.arange(seq.shape[1], device=dev))
+    logp = torch.log_softmax(logits[0, len(prompt) - 1:].float(), -1)
+    return float(-logp.gather(-1, torch.tensor(cont, device=dev)[:, None]).mean())
+
+
+def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec: RuntimeSpec, medusa_dir: Path,
+             batch_rows: list[dict] | None = None) -> dict[str, Any]:
+    """Every method on the eval prompts `rows`, decoded with the runtime `spec` (the bank's model
+    and heads); the Medusa baseline row uses the heads in `medusa_dir` when they exist. Writes the
+    table, traces, divergences and plots into `out`. Then, given `batch_rows` (the eval split's
+    first `evaluate.batch_prompts`) and `evaluate.batch_sizes`, the batched evaluation
+    (`evaluate_batches`: batch_table.csv / .md, batch_throughput.png; under lossless=exact only)."""
+    from pipeline.loaders import acceptance_from_cfg, load_runtime, sampler_from_cfg
+    from runtime.bank import TopologyBank
+    from runtime.fingerprint import heads_fingerprint, weights_fingerprint
+    from runtime.heads import load_heads
+
+    model, hydra = load_runtime(spec)
+    bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(spec.model_dir),
+                             heads_fingerprint=heads_fingerprint(spec.heads_dir), max_depth=hydra.config.num_heads)
+    sampler = sampler_from_cfg(cfg.sampling)
+    sizes = [int(b) for b in cfg.evaluate.get("batch_sizes") or []] if batch_rows else []
+    if sizes and model.invariant_rows is None and not model.kernel_decode:
+        log.info("[evaluate] no batched evaluation under lossless=numerical: batched decoding needs the row-invariant "
+                 "arithmetic (lossless=exact)")
+        sizes = []
+    if sizes and (min(sizes) < 1 or len(set(sizes)) != len(sizes) or max(sizes) > len(batch_rows)):
+        # checked before the single-sequence table, not after it
+        raise ValueError(f"evaluate.batch_sizes={sizes} must be distinct ints >= 1 and at most the "
+                         f"{len(batch_rows)} batch prompts (evaluate.batch_prompts, and the eval split's size)")
+    hf = None
+    if cfg.evaluate.hf_generate and sampler.greedy:
+        hf = _hf_method(spec.model_dir, model.device, model.dtype)
+    elif cfg.evaluate.hf_generate:
+        log.info("[evaluate] transformers generate left out at temperature > 0: its sampler cannot match seeded AR")
+    medusa = None
+    try:
+        # bound to the base model loaded above: one copy of its weights serves every method
+        medusa = load_heads(medusa_dir, model=model)
+    except FileNotFoundError as e:
+        log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
+    df, recs = compare_methods(model, hydra, bank, rows, int(cfg.evaluate.max_new_tokens), int(cfg.profile.rank_cap),
+                               sampler, medusa=medusa, hf=hf, acceptance=acceptance_from_cfg(cfg.acceptance),
+                               desc=f"evaluate {cfg.task.name}")
+    if sampler.greedy:
+        divergences = list_divergences(model, rows, recs, str(model.dtype).removeprefix("torch."))
+        atomic_write_json(out / "divergences.json", {"lossless": str(cfg.lossless), "dtype": str(model.dtype),
+                                                      "invariant_rows": model.invariant_rows, "divergences": divergences})
+        for d in divergences:
+            log.info("%s", f"[evaluate] divergence from AR: {d}")
+    df["task"] = cfg.task.name
+    rows_out = df[df.method != "oracle (replayed)"].drop(columns=["task", "speedup_vs_ar", "vs_hydra_default"]).to_dict("records")
+    table = table_markdown(df, cfg, spec.dtype)
+    check = df.attrs.get("dynamic_check")
+    if check is not None and "ceiling_tok_per_s" in check:
+        table += (f"\nEntMTP-dyn's super-tree with hindsight (each step verifying just its accepted chain): "
+                  f"{check['ceiling_tok_per_s']:.1f} tok/s replayed; EntMTP-dyn replays "
+                  f"{check['replayed_tok_per_s']:.1f}, {100 * check['share_of_ceiling']:.0f}% of it.\n")
+    atomic_write_bytes(out / "table.csv", df.to_csv(index=False).encode())
+    atomic_write_bytes(out / "table.md", table.encode())
+    atomic_write_json(out / "traces.json", {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in recs.items()})
+    plot_methods(df, out / "methods.png", cfg.task.name)
+    dyn = [label for label in (DYNAMIC_LABEL, *POLICY_LABELS.values()) if label in recs]
+    if dyn:
+        plot_schedule(recs[dyn[0]][0], bank, out / "schedule.png", dyn[0])
+    if check is not None:
+        atomic_write_json(out / "dynamic_check.json", check)
+        log.info("%s", f"[evaluate] EntMTP-dyn replay vs real decodes: {check['steps_agree']} of "
+                       f"{check['steps_compared']} steps agree")
+    log.info("%s", table)
+    oracle_dec = df.loc[df.method == "oracle (replayed)", "decode_tok_per_s"].item()
+    summary = {"table": rows_out, "oracle_decode_tok_per_s": oracle_dec, "machine": machine_info()}
+    if check is not None:
+        summary["dynamic_check"] = {k: check[k] for k in ("steps_compared", "steps_agree", "prompts_compared",
+                                                          "ceiling_tok_per_s", "share_of_ceiling") if k in check}
+    if sizes:
+        summary["batch_table"] = evaluate_batches(cfg, out, model, hydra, bank, batch_rows, sampler,
+                                                  acceptance_from_cfg(cfg.acceptance))
+    return summary
+
+
+POLICY_LABELS = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
+DYNAMIC_LABEL = "EntMTP-dyn"
+
+
+def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: int, sampler=None, medusa=None,
+                    hf: Decode | None = None, acceptance="exact", desc: str = "evaluate") -> tuple[pd.DataFrame, dict[str, list[dict]]]:
+    """Decode every prompt of `rows` ({"id", "input_ids"}) with every method, interleaved, and
+    tabulate (one row per method, then the replayed oracle); also return each method's records.
+
+    `sampler` (default greedy) is the one every exact method and AR decode with; at temperature
+    > 0 typical acceptance rows and the distance columns of pipeline/evaluate/sampling.py are added.
+    `acceptance` is the rule of every speculative row ("exact", or the run's typical acceptance).
+    On a row-invariant model (`lossless: exact`) AR is also timed in the ordinary arithmetic, the
+    speed that invariance is paid against."""
+    from pipeline.evaluate.sampling import distribution_columns, typical_decoders
+    from pipeline.replay.accept import accept_lengths
+    from pipeline.replay.dynamic import dynamic_ceiling, replay_dynamic
+    from pipeline.replay.oracle import oracle_schedule
+    from pipeline.rollout.record import rollout_prompt
+    from pipeline.rollout.scores import score_prompt
+    from runtime.decoder import TreeDecoder
+    from runtime.policy import Scheduler, policy_from_dict
+    from runtime.sampling import Sampler
+    from runtime.tree import Tree, TreeBuffers
+
+    sampler = sampler if sampler is not None else Sampler()
+    mc = TreeBuffers.compile(Tree.named("mc_sim_7b_63"))
+    methods: dict[str, Decode] = {"AR": _ar_method(model, sampler)}
+    if model.invariant_rows is not None:
+        methods["AR (ordinary arithmetic)"] = _ordinary_ar_method(model, sampler)
+    if hf is not None:
+        methods["HF generate"] = hf
+    if medusa is not None:
+        methods["Medusa default"] = _spec_method(TreeDecoder(model, medusa, [mc], acceptance=acceptance), 0, sampler)
+    hydra_mc = TreeDecoder(model, hydra, [mc], acceptance=acceptance)
+    methods["Hydra default"] = _spec_method(hydra_mc, 0, sampler)
+    bank_dec = TreeDecoder(model, hydra, bank.buffers, acceptance=acceptance)
+    methods["EntMTP*"] = _spec_method(bank_dec, bank.best_static, sampler)
+    for name, label in POLICY_LABELS.items():
+        if name in bank.policies:
+            pol = bank.policies[name]
+            methods[label] = _spec_method(bank_dec, lambda pol=pol: Scheduler(policy_from_dict(pol), len(bank.trees)), sampler)
+    dynamic = bank.dynamic_policy() if bank.dynamic else None
+    if dynamic is not None:
+        # one policy for every prompt, as a server keeps it: its subset cache stays warm
+        methods[DYNAMIC_LABEL] = _spec_method(bank_dec, lambda: dynamic, sampler)
+    if not sampler.greedy:
+        for label, dec in typical_decoders(model, hydra, mc, bank.buffers[bank.best_static], sampler.config).items():
+            methods[label] = _spec_method(dec, 0)  # typical acceptance draws with its own temperature
+
+    names = list(methods)
+    recs: dict[str, list[dict]] = {m: [] for m in names}
+    # warm-up: one short run of every method (allocator, kernels)
+    for m in names:
+        methods[m](rows[0]["input_ids"], 8)
+    for row in tqdm(rows, desc=desc, unit="prompt"):
+        for m in names:
+            r = methods[m](row["input_ids"], n_new)
+            r["id"] = row["id"]
+            recs[m].append(r)
+    # the oracle over the bank, replayed on the AR continuations of the eval prompts
+    costs = [f["step_ms"] / 1000 for f in bank.figures]
+    oracle_time, oracle_tokens, oracle_steps = 0.0, 0, 0
+    ar_tokens = {r["id"]: r["tokens"] for r in recs["AR"]}
+    rollouts, dyn_scores = [], []
+    for row in rows:
+        ro = rollout_prompt(model, hydra, row["input_ids"], n_new, rank_cap, sampler=sampler)
+        rollouts.append(ro)
+        if dynamic is not None:  # the heads' scores of EntMTP-dyn's super-tree at every step index
+            dyn_scores.append(score_prompt(model, hydra, row["input_ids"], ro["tokens"], [dynamic.super_tree])[0])
+        acc = np.stack([accept_lengths(ro["rank_paths"], t.paths, rank_cap=rank_cap) for t in bank.trees])
+        t_min, sched = oracle_schedule(acc, np.asarray(costs))
+        oracle_time += t_min
+        oracle_tokens += len(ro["tokens"]) - 1
+        oracle_steps += len(sched)
+        if ro["tokens"].tolist() != ar_tokens[row["id"]]:
+            log.info("%s", f"[evaluate] note: rollout and AR differ on {row['id']} (float tie)")
+
+    ar = recs["AR"]
+    rows_out = []
+    for m in names:
+        rs = recs[m]
+        toks = sum(len(r["tokens"]) for r in rs)
+        dec_toks = sum(max(len(r["tokens"]) - 1, 0) for r in rs)
+        total_s = sum(r["prefill_s"] + r["decode_s"] for r in rs)
+        dec_s = sum(r["decode_s"] for r in rs)
+        identical = sum(r["tokens"] == a["tokens"] for r, a in zip(rs, ar))
+        nll = statistics.mean(continuation_nll(model, row["input_ids"], r["tokens"]) for row, r in zip(rows, rs))
+        rows_out.append({
+            "method": m, "tok_per_s": toks / total_s, "decode_tok_per_s": dec_toks / dec_s if dec_s else math.nan,
+            "tokens_per_step": dec_toks / max(sum(r["steps"] for r in rs), 1),
+            "identical_to_ar": identical / len(rs), "ppl": math.exp(nll), "prompts": len(rs), "new_tokens": toks,
+        })
+        if not sampler.greedy:
+            rows_out[-1].update(distribution_columns(model, [row["input_ids"] for row in rows], [r["tokens"] for r in rs],
+                                                     sampler.config))
+    df = pd.DataFrame(rows_out)
+    ar_speed = df.loc[df.method == "AR", "tok_per_s"].item()
+    hyd = df.loc[df.method == "Hydra default", "tok_per_s"].item()
+    df["speedup_vs_ar"] = df.tok_per_s / ar_speed
+    df["vs_hydra_default"] = df.tok_per_s / hyd
+    ordinary = df.loc[df.method == "AR (ordinary arithmetic)", "tok_per_s"]
+    if len(ordinary):  # under lossless=exact: against the fastest AR, which a user would otherwise run
+        df["vs_ordinary_ar"] = df.tok_per_s / ordinary.item()
+    ar_dec = df.loc[df.method == "AR", "decode_tok_per_s"].item()
+    oracle_dec = oracle_tokens / oracle_time if oracle_time else math.nan
+    # The oracle is replayed with the bank's step costs, measured by the time stage, not in this
+    # run: compare it with AR replayed at the same costs (the root-only tree), or a drift of the
+    # machine between the two runs would show up as speedup.
+    root = [f["step_ms"] for t, f in zip(bank.trees, bank.figures) if t.num_nodes == 1]
+    ar_ref = 1000 / root[0] if root else ar_dec
+    oracle_row = {"method": "oracle (replayed)", "decode_tok_per_s": oracle_dec,
+                  "tokens_per_step": oracle_tokens / max(oracle_steps, 1), "speedup_vs_ar": oracle_dec / ar_ref,
+                  "replayed_tok_per_s": oracle_dec, "replayed_share_of_oracle": 1.0}
+    df = pd.concat([df, pd.DataFrame([oracle_row])], ignore_index=True)
+    if acceptance == "exact":  # (the rank paths replay exact acceptance, greedy or seeded sampling)
+        # the bank's methods replayed on the same continuations at the same costs as the oracle:
+        # their share of it compares like with like (the timed figures above and the replayed
+        # oracle come from different runs of the machine)
+        replayed = replayed_methods(bank, rollouts, costs, rank_cap)
+        if dynamic is not None:
+            dyn_replay = replay_dynamic(rollouts, dyn_scores, dynamic, rank_cap)
+            replayed[DYNAMIC_LABEL] = dyn_replay.tokens_per_second
+            check = dynamic_check(dyn_replay, rollouts, recs[DYNAMIC_LABEL], ar_tokens)
+            # what EntMTP-dyn's super-tree allows with hindsight, at the same costs as its replay
+            ceiling = dynamic_ceiling(rollouts, dynamic, rank_cap)["tokens_per_second"]
+            check.update(replayed_tok_per_s=dyn_replay.tokens_per_second, ceiling_tok_per_s=ceiling,
+                         share_of_ceiling=dyn_replay.tokens_per_second / ceiling)
+            df.attrs["dynamic_check"] = check
+        df["replayed_tok_per_s"] = df.method.map(replayed).fillna(df.get("replayed_tok_per_s"))
+        df["replayed_share_of_oracle"] = df.replayed_tok_per_s / oracle_dec
+    return df, recs
+
+
+def dynamic_check(replay, rollouts: list[dict], recs: list[dict], ar_tokens: dict[str, list[int]]) -> dict[str, Any]:
+    """Recalibrate's check for EntMTP-dyn on the eval prompts: each real decode against the replay of
+    the same policy on that prompt's rollout, step by step (accepted length and subset size;
+    `pipeline.replay.compare_dynamic_steps`). Prompts whose rollout left AR's text (a float tie of
+    the teacher-forced pass) have no replay to compare with and are counted apart."""
+    from pipeline.replay.dynamic import compare_dynamic_steps
+
+    out: dict[str, Any] = {"steps_compared": 0, "steps_agree": 0, "prompts_compared": 0, "prompts_skipped": [],
+                           "disagreements": []}
+    for n, (ro, rec) in enumerate(zip(rollouts, recs)):
+        if ro["tokens"].tolist() != ar_tokens[rec["id"]] or rec["tokens"] != ar_tokens[rec["id"]]:
+            out["prompts_skipped"].append(rec["id"])
+            continue
+        cmp = compare_dynamic_steps(replay, n, rec["accepted"], rec["nodes"], len(ro["tokens"]))
+        out["steps_compared"] += cmp["steps_compared"]
+        out["steps_agree"] += cmp["steps_agree"]
+        out["prompts_compared"] += 1
+        out["disagreements"] += [{"prompt": rec["id"], **d} for d in cmp["disagreements"]][: 10 - len(out["disagreements"])]
+    return out
+
+
+def replayed_methods(bank, rollouts: list[dict], costs: list[float], rank_cap: int) -> dict[str, float]:
+    """Replayed tokens/s of EntMTP* and of every fitted policy whose signal reads no heads (a head
+    signal's per-step extra is not in the bank's step costs) on `rollouts`, keyed by method label."""
+    from pipeline.replay.policy import BankReplay, replay_policy
+    from runtime.decoder import HEAD_SIGNALS
+    from runtime.policy import StaticPolicy
+
+    data = BankReplay.build(rollouts, [t.paths for t in bank.trees], rank_cap)
+    out = {"EntMTP*": replay_policy(data, None, StaticPolicy(bank.best_static), costs).tokens_per_second}
+    for name, label in POLICY_LABELS.items():
+        pol = bank.policies.get(name)
+        if pol is not None and pol.get("signal") not in HEAD_SIGNALS:
+            out[label] = replay_policy(data, None, pol, costs).tokens_per_second
+    return out
+
+
+def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
+    m = machine_info()
+    acc = cfg.get("acceptance")
+    how = decoding_words(cfg) if acc is None or acc.kind == "exact" else (
+        f"typical acceptance (T {acc.temperature:g}, epsilon {acc.epsilon:g}, alpha {acc.alpha:g}; not lossless)")
+    head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, {how}, batch 1, {dtype}, "
+            f"{m['cpu']} ({m['torch_threads']} threads), {int(cfg.profile.eval_prompts)} eval prompts x "
+            f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n")
+    cols = ["method", "tok_per_s", "decode_tok_per_s", "tokens_per_step", "speedup_vs_ar", "vs_hydra_default", "identical_to_ar", "ppl"]
+    if "replayed_share_of_oracle" in df.columns:
+        cols += ["replayed_tok_per_s", "replayed_share_of_oracle"]
+        head += ("replayed_tok_per_s: the bank's methods replayed on the AR continuations of these prompts at the "
+                 "bank's step costs, as the oracle is; replayed_share_of_oracle: its share of the oracle's.\n\n")
+    if "vs_ordinary_ar" in df.columns:
+        cols.insert(5, "vs_ordinary_ar")
+        head += ("speedup_vs_ar: against AR in the row-invariant arithmetic every exact method decodes in (the "
+                 "output they equal); vs_ordinary_ar: against AR in the ordinary, fastest arithmetic.\n\n")
+    if "nll_gap" in df.columns:
+        cols += ["nll_T", "entropy_T", "nll_gap", "nll_gap_se"]
+        head += ("identical_to_ar: share of outputs token-identical to seeded AR. nll_T / entropy_T: mean surprisal "
+                 "-log p(y) and entropy of the model's tempered (processed) distribution p at each emitted token, "
+                 "nats; nll_gap = nll_T - entropy_T, 0 in expectation for an exact sampler (nll_gap_se: its "
+                 "standard error), negative when a method prefers probable tokens.\n\n")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append(str(v) if isinstance(v, str) else ("" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def decoding_words(cfg: DictConfig) -> str:
+    """'greedy', or the seeded sampling settings of the run."""
+    sc = cfg.get("sampling")
+    if sc is None or float(sc.temperature) == 0:
+        return "greedy"
+    return f"seeded sampling (T {float(sc.temperature):g}, top-k {int(sc.top_k)}, top-p {float(sc.top_p):g}, seed {int(sc.seed)})"
+
+
+def plot_methods(df: pd.DataFrame, path: Path, task: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = df[df.method != "oracle (replayed)"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(d.method, d.tok_per_s, color=["gray" if m in ("AR", "HF generate") else "tab:blue" for m in d.method])
+    for x, (v, tps) in enumerate(zip(d.tok_per_s, d.tokens_per_step)):
+        ax.text(x, v, f"{v:.1f}\n({tps:.2f}/step)", ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("tok/s (prefill included)")
+    ax.set_title(f"{task}: methods side by side")
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_schedule(rec: dict, bank, path: Path, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax1 = plt.subplots(figsize=(9, 3.5))
+    steps = range(len(rec["trees"]))
+    # a dynamic step (tree == DYNAMIC_TREE) is no bank tree: its record holds the nodes it verified
+    nodes = rec.get("nodes") or [bank.trees[k].num_nodes for k in rec["trees"]]
+    ax1.step(steps, nodes, where="post", color="tab:blue", label="tree nodes")
+    ax1.set_xlabel("decoding step")
+    ax1.set_ylabel("tree nodes", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.plot(steps, rec["signals"], color="tab:orange", lw=0.8, label="signal")
+    ax2.set_ylabel("signal", color="tab:orange")
+    ax1.set_title(f"{label}: tree chosen along one generation ({rec['id']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ batched evaluation
+
+BATCH_AR = "AR (batched)"
+PER_BATCH = "EntMTP* static per batch size"
+PER_BATCH_NO_AXIS = "EntMTP* static per batch size (no batch axis: batch-1 tree)"
+ONE_TREE = "EntMTP* one tree for all"
+
+
+def batch_choice(bank, batch_size: int, schedule=None) -> int | None:
+    """The bank's tree at `batch_size`, "static per batch size": the tree its `ServingSchedule`
+    names at the smallest measured batch size >= `batch_size`; None where the schedule says no
+    speculation (none measured that large, or no tree paid there): plain batched AR. A bank without
+    a batch axis (its schedule is batch size 1 only, `approximate`) gives its batch-1 best static
+    tree at every batch size (the row is labelled so, `PER_BATCH_NO_AXIS`). `schedule`: the bank's,
+    when already read."""
+    from runtime.export.schedule import schedule_from_bank
+
+    sched = schedule if schedule is not None else schedule_from_bank(bank)
+    if sched.approximate:
+        return bank.best_static
+    c = sched.choice_for(batch_size)
+    return None if c is None or c.tree is None else c.tree_index
+
+
+def batch_methods(model, hydra, bank, sampler=None, acceptance="exact") -> tuple[dict[str, Callable], dict[str, str]]:
+    """The batched methods, each `run(prompts, n, batch_size) -> (tokens per prompt, steps per
+    prompt, what it decoded with, seconds of the prompts' prefills)`, keyed by label, and what
+    each label means.
+
+    * AR (batched): `ar_generate_batch`;
+    * EntMTP* static per batch size: `batch_choice` at the batch size (batched AR where it is None);
+    * EntMTP* one tree for all: the bank's batch-1 best static tree at every batch size;
+    * the bank's default policy: one `Scheduler` per sequence."""
+    from runtime.decoder import TreeDecoder
+    from runtime.ar import ar_generate_batch
+    from runtime.policy import Scheduler, policy_from_dict
+    from runtime.sampling import Sampler
+    from runtime.export.schedule import schedule_from_bank
+
+    sampler = sampler if sampler is not None else Sampler()
+    dec = TreeDecoder(model, hydra, bank.buffers, acceptance=acceptance)
+    schedule = schedule_from_bank(bank)
+
+    def tree_words(k: int) -> str:
+        return f"tree {k} ({bank.trees[k].num_nodes} nodes)"
+
+    Run = tuple[list[list[int]], list[int], str, float]
+
+    def ar(prompts: list[list[int]], n: int, _b: int) -> Run:
+        prefills: list[float] = []
+        toks = ar_generate_batch(model, prompts, n, sampler=sampler, prefill_seconds=prefills)
+        return toks, [max(len(t) - 1, 0) for t in toks], "AR", sum(prefills)
+
+    def spec(prompts: list[list[int]], n: int, choose: list, words: str) -> Run:
+        rs = dec.generate_batch(prompts, n, choose=choose, sampler=sampler)
+        return [r.tokens for r in rs], [len(r.steps) for r in rs], words, sum(r.prefill_seconds for r in rs)
+
+    def per_batch(prompts: list[list[int]], n: int, b: int) -> Run:
+        k = batch_choice(bank, b, schedule)
+        if k is None:
+            return ar(prompts, n, b)
+        return spec(prompts, n, [k] * len(prompts), tree_words(k))
+
+    def one_tree(prompts: list[list[int]], n: int, _b: int) -> Run:
+        return spec(prompts, n, [bank.best_static] * len(prompts), tree_words(bank.best_static))
+
+    per_label = PER_BATCH_NO_AXIS if schedule.approximate else PER_BATCH
+    methods: dict[str, Callable] = {BATCH_AR: ar, per_label: per_batch, ONE_TREE: one_tree}
+    meaning = {BATCH_AR: "batched AR (runtime.ar.ar_generate_batch)",
+               per_label: ("the bank's batch-1 best static tree at every batch size (the bank has no batch axis)"
+                           if per_label == PER_BATCH_NO_AXIS else
+                           "the tree the bank's serving schedule names at the smallest measured batch size >= B "
+                           "(batched AR where it names none)"),
+               ONE_TREE: "the bank's batch-1 best static tree at every batch size"}
+    name = bank.default_policy
+    pol = bank.policies.get(name)
+    if pol is None:
+        log.info("%s", f"[evaluate] the bank's default policy {name!r} is not stored: no policy row in the batch table")
+    else:
+        label = f"{POLICY_LABELS.get(name, name)} (default policy)"
+
+        def policy(prompts: list[list[int]], n: int, _b: int) -> Run:
+            return spec(prompts, n, [Scheduler(policy_from_dict(pol), len(bank.trees)) for _ in prompts], f"policy {name}")
+
+        methods[label] = policy
+        meaning[label] = f"the bank's default policy ({name}), one Scheduler per sequence"
+    return methods, meaning
+
+
+def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_sizes: list[int], sampler=None,
+                    acceptance="exact", desc: str = "evaluate batches",
+                    repeats: int = 1) -> tuple[pd.DataFrame, dict[tuple[str, int], list[dict]]]:
+    """Decode the prompts of `rows` ({"id", "input_ids"}) at each batch size B of `batch_sizes`: in
+    groups of B (in order; the last group holds the rest), every group by every method of
+    `batch_methods` in turn (interleaved, so drift of the machine hits all alike), `repeats` rounds
+    of that, each group's wall time (`runtime.device.clock`, prefill included) and its prefills'
+    time taken as the median over the rounds (a shared machine's stalls last seconds: one short run
+    per group can be off by 10%), pooled over the methods that decoded the group with the same
+    thing (same code, one figure). Every sequence's tokens, in every round, are checked against
+    that prompt's single-sequence AR output (`ar_generate`, once per prompt).
+
+    Returns the table (one row per method x B: batch throughput = new tokens of all sequences /
+    summed group wall time, and decode throughput = the tokens after each sequence's first / that
+    time less the prefills (speculation changes decoding, not prefill: the figure a server's
+    decode throughput compares), each with its ratio to batched AR at the same B, tokens per step,
+    identical k/n)
+    and the per-sequence records keyed by (method, B). Needs the row-invariant arithmetic
+    (`lossless: exact`)."""
+    from runtime.ar import ar_generate
+
+    sizes = [int(b) for b in batch_sizes]
+    if not rows:
+        raise ValueError("no prompts for the batched evaluation")
+    if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"batch sizes must be distinct ints >= 1, got {list(batch_sizes)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if max(sizes) > len(rows):
+        raise ValueError(f"batch size {max(sizes)} needs at least as many prompts, got {len(rows)}")
+    if model.invariant_rows is None and not model.kernel_decode:
+        raise RuntimeError("the batched evaluation needs the row-invariant arithmetic (lossless: exact)")
+    methods, meaning = batch_methods(model, hydra, bank, sampler, acceptance)
+    names = list(methods)
+    prompts = [[int(t) for t in r["input_ids"]] for r in rows]
+    reference = [ar_generate(model, p, n_new, sampler=sampler) for p in prompts]
+    dev = model.device
+    # warm-up: one short run of every method at the largest batch size (allocator, kernels)
+    for m in names:
+        methods[m](prompts[: max(sizes)], 4, max(sizes))
+    recs: dict[tuple[str, int], list[dict]] = {(m, b): [] for b in sizes for m in names}
+    seconds = {(m, b): 0.0 for b in sizes for m in names}
+    prefill = {(m, b): 0.0 for b in sizes for m in names}
+    used: dict[tuple[str, int], str] = {}
+    groups = [(b, i) for b in sizes for i in range(0, len(prompts), b)]
+    for b, i in tqdm(groups, desc=desc, unit="group"):
+        group = prompts[i:i + b]
+        runs: dict[str, list[tuple[float, float]]] = {m: [] for m in names}
+        for r in range(repeats):
+            for m in names:
+                t0 = clock(dev)
+                toks, steps, words, pre = methods[m](group, n_new, b)
+                runs[m].append((clock(dev) - t0, pre))
+                used[m, b] = words
+                for j, (t, s) in enumerate(zip(toks, steps)):
+                    if r == 0:
+                        recs[m, b].append({"id": rows[i + j]["id"], "tokens": t, "steps": s,
+                                           "identical": t == reference[i + j]})
+                    else:
+                        recs[m, b][i + j]["identical"] &= t == reference[i + j]
+        # methods that decoded this group with the same thing (static per batch size naming batched
+        # AR, or the same tree as one tree for all) ran the same code: their runs are pooled, so that
+        # one decode gets one figure (the median of all its runs) instead of two that differ by noise
+        pooled: dict[str, list[tuple[float, float]]] = {}
+        for m in names:
+            pooled.setdefault(used[m, b], []).extend(runs[m])
+        for m in names:
+            seconds[m, b] += statistics.median(t for t, _ in pooled[used[m, b]])
+            prefill[m, b] += statistics.median(p for _, p in pooled[used[m, b]])
+    out = []
+    for b in sizes:
+        for m in names:
+            rs = recs[m, b]
+            toks = sum(len(r["tokens"]) for r in rs)
+            dec_toks = sum(max(len(r["tokens"]) - 1, 0) for r in rs)
+            same = sum(r["identical"] for r in rs)
+            out.append({"method": m, "batch_size": b, "decoded_with": used[m, b], "sequences": len(rs),
+                        "groups": -(-len(rs) // b), "new_tokens": toks, "seconds": seconds[m, b],
+                        "tok_per_s": toks / seconds[m, b] if seconds[m, b] > 0 else math.nan,
+                        "prefill_seconds": prefill[m, b],
+                        "decode_tok_per_s": dec_toks / max(seconds[m, b] - prefill[m, b], 1e-9),
+                        "tokens_per_step": dec_toks / max(sum(r["steps"] for r in rs), 1),
+                        "identical": same, "compared": len(rs), "identical_to_ar": same / len(rs)})
+            if same < len(rs):
+                log.warning("%s", f"[evaluate] {m} at batch size {b}: {len(rs) - same} of {len(rs)} sequences differ "
+                                  "from their single-sequence AR output")
+    df = pd.DataFrame(out)
+    ar_speed = df[df.method == BATCH_AR].set_index("batch_size").tok_per_s
+    df["vs_batched_ar"] = df.tok_per_s / df.batch_size.map(ar_speed)
+    ar_decode = df[df.method == BATCH_AR].set_index("batch_size").decode_tok_per_s
+    df["decode_vs_batched_ar"] = df.decode_tok_per_s / df.batch_size.map(ar_decode)
+    df.attrs["meaning"] = meaning  # what each method label decodes with
+    return df, recs
+
+
+def batch_table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str, meaning: dict[str, str] | None = None,
+                         device: str = "cpu") -> str:
+    """The batch table (rows: method x batch size), headed like `table_markdown`'s."""
+    m = machine_info()
+    acc = cfg.get("acceptance")
+    how = decoding_words(cfg) if acc is None or acc.kind == "exact" else f"typical acceptance (T {acc.temperature:g})"
+    where = m.get("cuda") if device.startswith("cuda") and m.get("cuda") else f"{m['cpu']} ({m['torch_threads']} threads)"
+    sizes = sorted(int(b) for b in df.batch_size.unique())
+    prompts = int(df.sequences.max()) if len(df) else 0
+    head = (f"### {cfg.task.name}: {cfg.model.name} + {cfg.heads.name} heads, {how}, batch sizes "
+            f"{', '.join(map(str, sizes))}, {dtype}, {where}, {prompts} eval prompts x "
+            f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n"
+            "tok/s: new tokens of all sequences / summed wall time of their groups (prefill included; each "
+            f"group's time the median of {int(cfg.evaluate.get('batch_repeats', 1))} interleaved rounds); decode "
+            "tok/s: the tokens after each sequence's first / that time less the prompts' prefills; x batched "
+            "AR: against AR (batched) at the same batch size; identical: sequences token-identical to that "
+            "prompt decoded alone by AR.\n\n")
+    for label, words in (meaning or {}).items():
+        head += f"- {label}: {words}\n"
+    if meaning:
+        head += "\n"
+    lines = ["| method | batch | decoded with | tok/s | x batched AR | decode tok/s | x batched AR (decode) | tokens/step "
+             "| identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for _, r in df.sort_values(["batch_size"], kind="stable").iterrows():
+        lines.append(f"| {r.method} | {int(r.batch_size)} | {r.decoded_with} | {r.tok_per_s:.1f} | {r.vs_batched_ar:.3f} | "
+                     f"{r.decode_tok_per_s:.1f} | {r.decode_vs_batched_ar:.3f} | "
+                     f"{r.tokens_per_step:.2f} | {int(r.identical)}/{int(r.compared)} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot_batches(df: pd.DataFrame, path: Path, task: str) -> None:
+    """Batch throughput against batch size (log2 axis), one line per method: prefill included
+    (left) and decode only (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sizes = sorted(int(b) for b in df.batch_size.unique())
+    for ax, col, what in ((axes[0], "tok_per_s", "batch tok/s (prefill included)"),
+                          (axes[1], "decode_tok_per_s", "batch decode tok/s (prefill excluded)")):
+        for method, d in df.groupby("method", sort=False):
+            d = d.sort_values("batch_size")
+            ax.plot(d.batch_size, d[col], marker="o", label=method,
+                    color="gray" if method == BATCH_AR else None, ls="--" if method == BATCH_AR else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(b) for b in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(what)
+    axes[0].set_title(f"{task}: throughput by batch size")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def evaluate_batches(cfg: DictConfig, out: Path, model, hydra, bank, rows: list[dict], sampler=None,
+                     acceptance="exact") -> list[dict[str, Any]]:
+    """The batched evaluation of the evaluate stage: `compare_batches` at `evaluate.batch_sizes` on
+    `rows` (the eval split's first `evaluate.batch_prompts`), written to `out` as batch_table.csv,
+    batch_table.md and batch_throughput.png; returns the table's rows."""
+    sizes = [int(b) for b in cfg.evaluate.batch_sizes]
+    df, _ = compare_batches(model, hydra, bank, rows, int(cfg.evaluate.max_new_tokens), sizes, sampler, acceptance,
+                            desc=f"evaluate {cfg.task.name} batches", repeats=int(cfg.evaluate.get("batch_repeats", 1)))
+    table = batch_table_markdown(df, cfg, str(model.dtype).removeprefix("torch."), df.attrs.get("meaning"),
+                                 str(model.device))
+    atomic_write_bytes(out / "batch_table.csv", df.to_csv(index=False).encode())
+    atomic_write_bytes(out / "batch_table.md", table.encode())
+    plot_batches(df, out / "batch_throughput.png", cfg.task.name)
+    log.info("%s", table)
+    return df.to_dict("records")
