@@ -8,21 +8,16 @@ TASK ?= humaneval
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: gpu-check gpu-wheels install model heads prepare bank banks eval eval-all report test test-slow bench clean-artifacts
+.PHONY: gpu-check install model heads prepare bank banks eval eval-all report test test-slow bench clean-artifacts
 
 # The venv is current when its stamp holds the sha256 of what the install reads: pyproject.toml,
 # setup.py and the small-row kernel's source (runtime/model/csrc/small_rows.c, compiled by the install;
 # the runtime refuses a build older than its source). Their content, not their mtime, since a
 # checkout (fresh clone, git worktree, branch switch) touches files without changing them, and a
 # reinstall needs the network. So `install` (and every target that needs it) does nothing once the
-# venv is installed. An empty stamp (written by an older Makefile) counts as current and is
-# rewritten with the hash.
+# venv is installed.
 PYPROJECT_SHA := $(shell $(PYTHON) -c "import hashlib; h = hashlib.sha256(); [h.update(f.encode() + b'\\0' + open(f, 'rb').read() + b'\\0') for f in ('pyproject.toml', 'setup.py', 'runtime/model/csrc/small_rows.c')]; print(h.hexdigest())")
 INSTALLED_SHA := $(shell cat $(VENV)/.installed 2>/dev/null || echo none)
-ifeq ($(INSTALLED_SHA),)
-INSTALLED_SHA := $(PYPROJECT_SHA)
-$(shell echo $(PYPROJECT_SHA) > $(VENV)/.installed)
-endif
 
 install:
 ifneq ($(INSTALLED_SHA),$(PYPROJECT_SHA))
@@ -77,31 +72,16 @@ test-slow: model
 # The GPU check (pipeline/benchmarks/gpu/check.py) on a bare, air-gapped GPU machine: the machine's own
 # python3 and torch (no venv, no install, no model), tree-vs-AR rows, verify / draft / step costs, eager
 # vs CUDA graphs, for float16 and bfloat16; CPU MODE (said plainly) where there is no GPU; exit 2 where a
-# GPU is present but torch cannot use it. Writes $(GPU_CHECK_OUT)/gpu_check.json. Needs .whl/gpu/site
-# (`make gpu-wheels`, run where pip reaches a registry) unless the python already has hydra-core.
-GPU_PYTHON ?= python3
-GPU_WHEELS := .whl/gpu
+# GPU is present but torch cannot use it. Writes $(GPU_CHECK_OUT)/gpu_check.json. It needs torch and
+# numpy only: pipeline.benchmarks and pipeline.benchmarks.gpu import neither hydra-core nor omegaconf.
+# The interpreter: GPU_PYTHON when given; else python3 when it has torch; else this project's venv.
+GPU_PYTHON ?= $(shell python3 -c "import torch" 2>/dev/null && echo python3 || { test -x $(PY) && echo $(PY) || echo python3; })
 GPU_CHECK_OUT ?= artifacts/reports/benchmarks/gpu_check
 gpu-check:
 	@$(GPU_PYTHON) -c "import torch" 2>/dev/null || \
-	  { echo "gpu-check: $(GPU_PYTHON) has no torch: use the GPU machine's own python3 (elsewhere GPU_PYTHON=$(PY))"; exit 2; }
-	@PYTHONPATH=$(GPU_WHEELS)/site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -c "import hydra, omegaconf" 2>/dev/null || \
-	  { echo "gpu-check: $(GPU_PYTHON) lacks hydra-core/omegaconf: run 'make gpu-wheels' where pip reaches a registry, and carry $(GPU_WHEELS)"; exit 2; }
-	PYTHONPATH=$(GPU_WHEELS)/site$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pipeline.benchmarks.gpu.check --out $(GPU_CHECK_OUT) $(ARGS)
-
-# The pure-Python packages the GPU image lacks and the check imports (through pipeline.benchmarks ->
-# pipeline.config.schema: hydra-core, omegaconf, and omegaconf's parser runtime antlr4), as wheels for the
-# image's Python 3.12, unpacked into $(GPU_WHEELS)/site (about 3 MB; .gitignore ignores .whl/). A device
-# call carries them with carry=[".whl/gpu"]. antlr4-python3-runtime 4.9.3 (omegaconf 2.3 needs 4.9.x)
-# exists on PyPI as an sdist only, so pip builds its pure-Python wheel here.
-GPU_WHEEL_PKGS := hydra-core==1.3.8 omegaconf==2.3.1
-gpu-wheels:
-	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  --platform manylinux2014_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_PKGS)
-	$(PYTHON) -m pip wheel -q --no-deps -w $(GPU_WHEELS) antlr4-python3-runtime==4.9.3
-	$(PYTHON) -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('$(GPU_WHEELS)/site') for w in sorted(glob.glob('$(GPU_WHEELS)/*.whl'))]"
-	@du -sh $(GPU_WHEELS); ls $(GPU_WHEELS)
+	  { echo "gpu-check: neither python3 nor $(PY) has torch: name one that has (GPU_PYTHON=...)"; exit 2; }
+	@echo "gpu-check: $(GPU_PYTHON) ($$($(GPU_PYTHON) -c 'import torch; print("torch", torch.__version__)'))"
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pipeline.benchmarks.gpu.check --out $(GPU_CHECK_OUT) $(ARGS)
 
 bench: install
 	$(PY) -m pipeline.benchmarks.ar_speed

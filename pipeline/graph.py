@@ -21,6 +21,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.artifacts import MANIFEST, before_first_build, hash_obj, read_json
 from pipeline.config.schema import STAGE_ORDER
+from pipeline.loaders import RuntimeSpec, invariant_rows
+from pipeline.paths import Layout
 
 log = logging.getLogger(__name__)
 

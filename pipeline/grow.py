@@ -38,7 +38,7 @@ class GrowResult:
 
     `score` never falls below the previous tree's `mean_accept` and `mean_accept_uniform` never
     decreases, but `tokens_per_step` (each tree's own decode) can dip: a larger tree can move the
-    decode onto worse positions (tests/test_grow.py has a four-token example).
+    decode onto worse positions (tests/pipeline/test_grow.py has a four-token example).
     """
 
     max_depth: int

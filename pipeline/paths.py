@@ -13,12 +13,25 @@ CONF_DIR = REPO_ROOT / "conf"
 
 
 def default_model_name() -> str:
-    """The name of the model that `conf/config.yaml` picks by default (for tools outside hydra)."""
-    from omegaconf import OmegaConf
+    """The name of the model that `conf/config.yaml` picks by default (for tools outside hydra).
 
-    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
-    choice = next(d["model"] for d in defaults if hasattr(d, "keys") and "model" in d)
-    return str(OmegaConf.load(CONF_DIR / "model" / f"{choice}.yaml").name)
+    Read line by line, without omegaconf (the GPU check calls it on a machine without hydra-core):
+    the defaults list's `- model: <choice>` entry, then the top-level `name:` of
+    conf/model/<choice>.yaml, both plain scalars."""
+    choice = _yaml_entry(CONF_DIR / "config.yaml", "- model:")
+    return _yaml_entry(CONF_DIR / "model" / f"{choice}.yaml", "name:", top_level=True)
+
+
+def _yaml_entry(path: Path, prefix: str, top_level: bool = False) -> str:
+    """The plain scalar after the first line of `path` that starts with `prefix` (after its
+    indentation, unless `top_level`), without its comment and quotes."""
+    for line in path.read_text().splitlines():
+        text = line if top_level else line.lstrip()
+        if text.startswith(prefix):
+            value = text[len(prefix):].split(" #", 1)[0].strip().strip("\"'")
+            if value:
+                return value
+    raise ValueError(f"{path} has no `{prefix} <value>` line")
 
 
 def decoding_tag(sampling: Any) -> str:

@@ -1,4 +1,4 @@
-"""Recalibrate stage: decode for real with each candidate tree and check the replay against it.
+"""The recalibrate stage's library: decode for real with each candidate tree and check the replay against it.
 
 Under greedy verification the replay from rank paths is exact (see `pipeline.replay`): the real decoder
 must emit the rollout's tokens, visit the same step indices and accept the same lengths. Any

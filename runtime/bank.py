@@ -2,11 +2,13 @@
 
 On disk (one folder; no pickle, nothing in it is ever executed):
   bank.json            schema version, trees (paths + measured figures), the index of the best
-                       static tree (EntMTP*), fitted policies, EntMTP-dyn's fitted dynamic policy
-                       (`dynamic`: super-tree, step cost per size, calibration; optional), oracle
-                       figures, provenance, and two
-                       seals: `buffers_sha256`/`buffers_bytes` (which tensor file belongs to this
-                       JSON) and `doc_sha256` (a checksum of the JSON's own content)
+                       static tree (EntMTP*), the choices per batch size (`batch_sizes`, the
+                       contract in `runtime.export.schedule`; required: a bank built before the
+                       batch axis is refused with a rebuild message), fitted policies,
+                       EntMTP-dyn's fitted dynamic policy (`dynamic`: super-tree, step cost per
+                       size, calibration; optional), oracle figures, provenance, and two seals:
+                       `buffers_sha256`/`buffers_bytes` (which tensor file belongs to this JSON)
+                       and `doc_sha256` (a checksum of the JSON's own content)
   buffers.safetensors  every tree's precompiled `TreeBuffers`, prefixed `tree{k}.`
   *.png                plots written by the pipeline (not needed to decode)
 
@@ -38,6 +40,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
+from runtime.export.schedule import ScheduleError, ServingSchedule, choices_from_batch_sizes
 from runtime.io import atomic_write_bytes
 from runtime.tree import Tree, TreeBuffers, TreeError
 
@@ -46,6 +49,7 @@ from runtime.tree import Tree, TreeBuffers, TreeError
 SCHEMA_VERSION = 3
 BANK_JSON = "bank.json"
 BUFFERS = "buffers.safetensors"
+BATCH_KEY = "batch_sizes"  # bank.json's per-batch-size record (`runtime.export.schedule`)
 # Far above any real bank (a 1024-node tree's buffers are ~1 MiB); refuses a runaway file before
 # reading it into memory.
 MAX_JSON_BYTES = 64 << 20
@@ -172,8 +176,8 @@ class TopologyBank:
     buffers: list[TreeBuffers] = field(default_factory=list)
     path: Path | None = None
     # per batch size: the best tree (or none), the best chain and every tree's step cost and batch
-    # throughput, as bank.json's "batch_sizes" holds them (`runtime.export.schedule`); None for a bank
-    # timed at batch size 1 only
+    # throughput, as bank.json's "batch_sizes" holds them (`runtime.export.schedule`); `save` and
+    # `load` require it (None only in memory, e.g. a bank being assembled)
     batch_schedule: dict[str, Any] | None = None
     # EntMTP-dyn (`runtime.dynamic`): {"super_tree": paths, "step_ms": [ms per size 1..N],
     # "calibration": Calibration dict, optional "draft_ms" [ms per drafted depth 0..D] and
@@ -197,6 +201,17 @@ class TopologyBank:
         pol = _dynamic_policy(self.dynamic, f"bank {self.path or ''}")
         pol.cache_size = int(cache_size)
         return pol
+
+    def serving_schedule(self) -> ServingSchedule:
+        """The bank's `ServingSchedule`: its choice at each measured batch size, from its "batch_sizes"
+        record (the contract in `runtime.export.schedule`); BankError where it has none, ScheduleError
+        where the record breaks the contract."""
+        if self.batch_schedule is None or self.batch_schedule == {}:
+            raise BankError(f"bank {self.path or ''} has no '{BATCH_KEY}' record (its choices per batch size): it "
+                            f"was built before the batch axis; {_REBUILD}")
+        choices = choices_from_batch_sizes(self.batch_schedule, list(self.trees), list(self.figures))
+        return ServingSchedule(choices=choices, trees=tuple(self.trees),
+                               source=None if self.path is None else str(self.path))
 
     def summary(self) -> str:
         lines = [f"TopologyBank {self.path or ''}".rstrip()]
@@ -260,8 +275,8 @@ class TopologyBank:
             "buffers_sha256": _sha256(blob),
             "buffers_bytes": len(blob),
         }
-        if self.batch_schedule:
-            doc["batch_sizes"] = {str(b): v for b, v in self.batch_schedule.items()}
+        if self.batch_schedule is not None:
+            doc[BATCH_KEY] = {str(b): v for b, v in self.batch_schedule.items()}
         doc["dynamic"] = self.dynamic
         # Round trip through JSON first, so the checksum covers exactly what a reader will parse.
         doc = json.loads(json.dumps(doc, default=_json_default))
@@ -424,14 +439,14 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
         raise BankError(f"{where}: default_policy {_short(default)} is not among the stored policies {_short(sorted(policies))} "
                         f"(nor 'static'); {_REBUILD}")
     _check_policies(policies, len(trees), where)
-    batch = doc.get("batch_sizes")
-    if batch is not None:
-        from runtime.export.schedule import ScheduleError, choices_from_batch_sizes
-
-        try:
-            choices_from_batch_sizes(batch, trees, figures)
-        except ScheduleError as e:
-            raise BankError(f"{where}: its batch_sizes record is unusable ({e}); {_REBUILD}") from e
+    batch = doc.get(BATCH_KEY)
+    if batch is None:
+        raise BankError(f"{where}: has no '{BATCH_KEY}' record (the trees chosen per batch size): it was built "
+                        f"before the batch axis; {_REBUILD}")
+    try:
+        choices_from_batch_sizes(batch, trees, figures)
+    except ScheduleError as e:
+        raise BankError(f"{where}: its batch_sizes record is unusable ({e}); {_REBUILD}") from e
 
     dynamic = doc.get("dynamic")
     if dynamic is not None:

@@ -44,11 +44,8 @@ def _generate_batch(args: argparse.Namespace, engine, sampling: dict) -> int:
         print(f"entmtp: {err}", file=sys.stderr)
         return 2
     batch = args.batch or len(prompts)
-    timed = sorted(int(b) for b in (getattr(engine.bank, "batch_schedule", None) or {}))
-    if not timed:
-        print("[entmtp] this bank was timed at batch size 1 only; its trees may not pay at larger batches "
-              "(rebuild it to get a batch-size axis)", file=sys.stderr)
-    elif batch > timed[-1]:
+    timed = sorted(int(b) for b in engine.bank.batch_schedule)  # every loaded bank has its batch axis
+    if batch > timed[-1]:
         print(f"[entmtp] the bank was timed up to batch size {timed[-1]}; batches of {batch} use its choices for "
               f"{timed[-1]}", file=sys.stderr)
     kw = dict(max_new_tokens=args.max_new_tokens, batch_size=batch, chat=not args.raw, truncate=args.truncate,
@@ -141,15 +138,18 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# the single-tree format of each engine, named when --tree comes with a per-batch-size format
+_TREE_FORMAT_OF = {"vllm": "legacy-vllm-tree", "trtllm": "legacy-trtllm-medusa"}
+
+
 def _export(args: argparse.Namespace) -> int:
-    from runtime.export.engines import RENAMED, TREE_FORMATS, export_schedule, export_tree
-    from runtime.export.schedule import schedule_from_bank
+    from runtime.export.engines import TREE_FORMATS, export_schedule, export_tree
 
     legacy = args.format in TREE_FORMATS
     if args.tree is not None and not legacy:
         raise ValueError(f"--tree picks one tree, which only the tree formats take ({', '.join(TREE_FORMATS)}); "
                          f"--format {args.format} exports the bank's choice at every batch size: drop --tree, or pass "
-                         f"--format {RENAMED.get(args.format, 'tree-json')} --tree {args.tree}")
+                         f"--format {_TREE_FORMAT_OF.get(args.format, 'tree-json')} --tree {args.tree}")
     if args.tree is not None and args.batch_size is not None:
         raise ValueError("--tree and --batch-size both pick the tree to export: give one of them")
     bank = TopologyBank.load(args.bank, force=True)
@@ -162,7 +162,7 @@ def _export(args: argparse.Namespace) -> int:
             raise BankError(f"tree {k} out of range: the bank has {len(bank.trees)} trees (0..{len(bank.trees) - 1})")
         out = export_tree(bank.trees[k], args.format)
     else:
-        out = export_schedule(schedule_from_bank(bank), args.format, batch_size=args.batch_size)
+        out = export_schedule(bank.serving_schedule(), args.format, batch_size=args.batch_size)
     if isinstance(out, str):
         print(out, end="" if out.endswith("\n") else "\n")
     else:

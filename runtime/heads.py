@@ -44,7 +44,8 @@ from runtime.io import atomic_write_bytes
 from runtime.config import (  # noqa: F401 - re-exported
     CONFIG_FILE, DRAFT_DTYPES, DTYPES, FORMAT, FORMAT_VERSION, KINDS, OUTPUTS, WEIGHTS_FILE, HeadsConfig, _args_to_dict,
 )
-from runtime.model.llama import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock, rope_inv_freq
+from runtime.model.llama import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock
+from runtime.model.rope import rope_inv_freq
 from runtime.tree import TreeBuffers
 
 
@@ -116,7 +117,7 @@ class PrefixLayer(nn.Module):
         self.cache_len = 0
 
     def _rope(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
-        # same float32 recipe as runtime.model.rope_tables, computed for just these positions
+        # same float32 recipe as runtime.model.rope.rope_tables, computed for just these positions
         device = self.norm.weight.device
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = rope_inv_freq(self.args, device)

@@ -19,8 +19,6 @@ Every signal reads "higher = more predictable", so every policy maps a higher si
 from __future__ import annotations
 
 import math
-import random
-import time
 from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -613,43 +611,3 @@ class BatchScheduler:
             tokens += expect[i][j] - expect[i][picks[i]]
             seconds += cost[j] - cost[picks[i]]
             picks[i] = j
-
-
-def scheduler_step_us(policies: dict[str, Policy], n_trees: int, n_steps: int = 20000, depth: int = 4,
-                      seed: int = 0) -> dict[str, float]:
-    """Microseconds per step of a Scheduler's choose + update for each of `policies`, on the same
-    seeded inputs for all: (p0, `depth` head top-1 probabilities, entropy, accepted length).
-
-    Inputs are pre-generated Python floats, as the decoder hands them over after one `.tolist()`,
-    so the figure is the scheduling alone. Shared by `policy_overhead_us` (one policy of each kind)
-    and pipeline.benchmarks.policy_overhead (a bank's stored policies).
-    """
-    rng = random.Random(seed)
-    inputs = [
-        (rng.random(), [rng.random() for _ in range(depth)], 3.0 * rng.random(), rng.randrange(depth + 1))
-        for _ in range(n_steps)
-    ]
-    out = {}
-    for name, policy in policies.items():
-        sched = Scheduler(policy, n_trees)
-        t0 = time.perf_counter()
-        for p0, heads, ent, acc in inputs:
-            sched.choose(p0, heads, ent)
-            sched.update(acc)
-        out[name] = (time.perf_counter() - t0) / n_steps * 1e6
-    return out
-
-
-def policy_overhead_us(n_steps: int = 20000, n_trees: int = 4, depth: int = 4, seed: int = 0) -> dict[str, float]:
-    """Micro-benchmark: microseconds per step of signal + choose + update, per policy kind
-    (`scheduler_step_us` on one synthetic policy of each kind)."""
-    costs = [0.01 * (1 + k) for k in range(n_trees)]
-    table = [[1.0 + b * k * 0.3 for k in range(n_trees)] for b in range(4)]
-    policies = {
-        "static": StaticPolicy(n_trees - 1),
-        "ladder": LadderPolicy([0.2 + 0.6 * j / max(1, n_trees - 1) for j in range(n_trees - 1)], signal="paper"),
-        "hysteresis": HysteresisPolicy(0.5, 0.3, 0, n_trees - 1, signal="greedy_path"),
-        "hysteresis_accept_ema": HysteresisPolicy(2.5, 2.0, 0, n_trees - 1, signal="accept_ema"),
-        "expected_throughput": ExpectedThroughputPolicy([0.3, 0.6, 0.9], table, costs, signal="entropy_ema"),
-    }
-    return scheduler_step_us(policies, n_trees, n_steps, depth, seed)

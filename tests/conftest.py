@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model folder (skipped when not provisioned) and test markers."""
+"""Shared fixtures: the default model folder (skipped when not provisioned), the tiny bundle, one
+torch thread. The markers (`slow`) are registered in pyproject.toml's [tool.pytest.ini_options]."""
 
 from __future__ import annotations
 
@@ -7,14 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = ROOT / "artifacts" / "models" / "smollm2-135m-instruct"
+from pipeline.paths import REPO_ROOT
+
+DEFAULT_MODEL_DIR = REPO_ROOT / "artifacts" / "models" / "smollm2-135m-instruct"
 
 torch.set_num_threads(2)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: long-running test, excluded from the default run (make test-slow)")
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 
+from pipeline.paths import REPO_ROOT
 from runtime.bank import BANK_JSON, BUFFERS, BankError, TopologyBank
 from tests.helpers import HEADS_FP, MODEL_FP, make_bank, reseal
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 SCANNED = ("runtime", "pipeline")
 
 # ------------------------------------------------------------------------------- source scan

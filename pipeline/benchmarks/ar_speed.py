@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from pipeline.artifacts import atomic_write_json, machine_info
-from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, TASKS, median, task_prompts, write_csv
+from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, TASKS, median, write_csv
+from pipeline.prepare.render import task_prompts
 from runtime.ar import ar_generate
 from runtime.device import clock
 from runtime.model import load_model

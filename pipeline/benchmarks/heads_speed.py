@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, machine_info
-from pipeline.paths import Layout, default_model_name
+from pipeline.paths import REPO_ROOT, Layout, default_model_name
 from pipeline.prepare import read_split
 from pipeline.config.schema import TRAIN_TASKS
 from runtime.decoder import TreeDecoder
@@ -27,20 +27,19 @@ from runtime.heads import load_heads
 from runtime.model import load_model
 from runtime.tree import Tree, TreeBuffers
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default = Layout.for_model(ROOT / "artifacts", default_model_name())
+    default = Layout.for_model(REPO_ROOT / "artifacts", default_model_name())
     ap.add_argument("--model", default=str(default.model_dir))
     ap.add_argument("--heads-root", default=str(default.heads_dir("")), help="the folder holding one folder per heads kind")
-    ap.add_argument("--data", default=str(ROOT / "data"))
+    ap.add_argument("--data", default=str(REPO_ROOT / "data"))
     ap.add_argument("--tasks", nargs="+", default=list(TRAIN_TASKS))
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--out", default=str(ROOT / "artifacts/reports/benchmarks/heads_speed.csv"))
+    ap.add_argument("--out", default=str(REPO_ROOT / "artifacts/reports/benchmarks/heads_speed.csv"))
     args = ap.parse_args(argv)
 
     model = load_model(args.model, dtype=getattr(torch, args.dtype), max_seq_len=2048)

@@ -18,7 +18,7 @@ Writes artifacts/reports/benchmarks/lossless_modes.json and .md.
 The correctness verdict (`verdict`: under exact, every method's output identical to AR's in every
 dtype; under numerical, every divergence within the rounding bound) is asserted on the default
 model with its shipped heads by the slow test
-`tests/test_lossless_modes.py::test_exact_mode_outputs_are_ars` (per dtype; which runs
+`tests/pipeline/benchmarks/test_lossless_modes.py::test_exact_mode_outputs_are_ars` (per dtype; which runs
 `load_variants`, `decode_interleaved` and `summarize` below); this script adds the speed part.
 """
 
@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import REPORT_DIR
 from pipeline.evaluate.run import list_divergences
+from pipeline.paths import REPO_ROOT
 from pipeline.prepare import read_split
 from runtime.bank import TopologyBank
 from runtime.decoder import TreeDecoder
@@ -45,7 +46,6 @@ from runtime.model import load_model
 from runtime.policy import Scheduler, policy_from_dict
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_variants(bank_dir: Path, variants: list[str], rows: int, threads: int) -> dict[str, dict[str, Any]]:
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bank", type=Path, required=True)
     p.add_argument("--task", default="humaneval")
-    p.add_argument("--data", type=Path, default=ROOT / "data")
+    p.add_argument("--data", type=Path, default=REPO_ROOT / "data")
     p.add_argument("--variants", nargs="+",
                    default=["bfloat16:exact", "bfloat16:numerical", "float32:numerical", "float32:exact"])
     p.add_argument("--rows", type=int, default=8, help="padded row count of the exact variants")

@@ -5,7 +5,7 @@
 A decoding step that picks its tree pays, besides drafting and verifying:
 
 1. the policy itself: signal update + choose + update on Python floats
-   (`runtime.policy.policy_overhead_us`, per policy kind);
+   (`policy_overhead_us`, per policy kind);
 2. the decoder's part of the signal on real-size tensors: p0 and the entropy of one base-logit row
    (`runtime.decoder._top1_and_entropy`, 49,152 logits for SmolLM2), paid only by policies whose
    signal reads p0 or the entropy (`accept_ema` and static ones skip it);
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +56,8 @@ from runtime.decoder import _top1_and_entropy, greedy_chain_top1
 from runtime.dynamic import DynamicPolicy
 from runtime.heads import DraftHeads, HeadsConfig
 from runtime.model import ModelArgs, Transformer
-from runtime.policy import policy_from_dict, policy_overhead_us, scheduler_step_us
+from runtime.policy import (ExpectedThroughputPolicy, HysteresisPolicy, LadderPolicy, Policy, Scheduler, StaticPolicy,
+                            policy_from_dict)
 from runtime.tree import TREES_DIR, Tree, TreeBuffers
 
 TARGET_US = 100.0  # issue 5
@@ -225,6 +227,46 @@ def time_dynamic(heads: DraftHeads, h: torch.Tensor, root: int, tree: Tree, step
     out["scheduling_miss"] = common + out["lookup_miss"]
     out["selected_nodes"] = int(last) + 1
     return out
+
+
+def scheduler_step_us(policies: dict[str, Policy], n_trees: int, n_steps: int = 20000, depth: int = 4,
+                      seed: int = 0) -> dict[str, float]:
+    """Microseconds per step of a Scheduler's choose + update for each of `policies`, on the same
+    seeded inputs for all: (p0, `depth` head top-1 probabilities, entropy, accepted length).
+
+    Inputs are pre-generated Python floats, as the decoder hands them over after one `.tolist()`,
+    so the figure is the scheduling alone. Shared by `policy_overhead_us` (one policy of each kind)
+    and `bank_policy_us` (a bank's stored policies).
+    """
+    rng = random.Random(seed)
+    inputs = [
+        (rng.random(), [rng.random() for _ in range(depth)], 3.0 * rng.random(), rng.randrange(depth + 1))
+        for _ in range(n_steps)
+    ]
+    out = {}
+    for name, policy in policies.items():
+        sched = Scheduler(policy, n_trees)
+        t0 = time.perf_counter()
+        for p0, heads, ent, acc in inputs:
+            sched.choose(p0, heads, ent)
+            sched.update(acc)
+        out[name] = (time.perf_counter() - t0) / n_steps * 1e6
+    return out
+
+
+def policy_overhead_us(n_steps: int = 20000, n_trees: int = 4, depth: int = 4, seed: int = 0) -> dict[str, float]:
+    """Micro-benchmark: microseconds per step of signal + choose + update, per policy kind
+    (`scheduler_step_us` on one synthetic policy of each kind)."""
+    costs = [0.01 * (1 + k) for k in range(n_trees)]
+    table = [[1.0 + b * k * 0.3 for k in range(n_trees)] for b in range(4)]
+    policies = {
+        "static": StaticPolicy(n_trees - 1),
+        "ladder": LadderPolicy([0.2 + 0.6 * j / max(1, n_trees - 1) for j in range(n_trees - 1)], signal="paper"),
+        "hysteresis": HysteresisPolicy(0.5, 0.3, 0, n_trees - 1, signal="greedy_path"),
+        "hysteresis_accept_ema": HysteresisPolicy(2.5, 2.0, 0, n_trees - 1, signal="accept_ema"),
+        "expected_throughput": ExpectedThroughputPolicy([0.3, 0.6, 0.9], table, costs, signal="entropy_ema"),
+    }
+    return scheduler_step_us(policies, n_trees, n_steps, depth, seed)
 
 
 def bank_policy_us(policies: dict[str, dict], n_trees: int, n_steps: int = 20000, seed: int = 0) -> dict[str, float]:

@@ -34,7 +34,8 @@ import torch
 
 from pipeline.artifacts import atomic_write_json, machine_info
 from pipeline.paths import Layout, default_model_name
-from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, task_prompts, write_csv
+from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
+from pipeline.prepare.render import task_prompts
 from pipeline.timing.step_cost import StepParts
 from runtime.decoder import TreeDecoder
 from runtime.device import clock

@@ -21,14 +21,10 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipeline.config.names import STAGE_ORDER, TRAIN_TASKS
 from runtime.config import DTYPES, KINDS, OUTPUTS
 from runtime.config import SamplingConfig as RuntimeSampling
 
-# the tasks of the default heads training mix, and of `make banks` / `stage=compare` and the benchmarks
-TRAIN_TASKS = ("humaneval", "gsm8k", "sharegpt")
-# the stages, in the order they run (one module each: pipeline/stages/<stage>.py)
-STAGE_ORDER = ("model", "dtype", "heads", "prepare", "rollout", "merge", "grow", "scores", "recalibrate", "time", "bank",
-               "evaluate", "compare")
 WEIGHT_DTYPES = DTYPES
 
 
@@ -173,15 +169,22 @@ class HeadsGroup:
     unless `dir` names a folder."""
 
     name: str = MISSING                     # the folder name under artifacts/heads/<model>/
-    dir: Optional[str] = None               # an existing heads folder instead of trained ones
+    # an existing heads folder to use (published ones are converted), or null: train them. Every
+    # heads file says which: `dir: null` (trained kinds), or `dir: ???` (a published checkpoint, whose
+    # folder the command line must give: start-up validation refuses the config until it does)
+    dir: Optional[str] = MISSING
     kind: str = choice("hydra", *KINDS)
     num_heads: int = at_least(4, 1)         # draft tokens beyond the root (the deepest tree)
     num_layers: int = at_least(1, 1)        # ResBlocks per head
     prefix_layer: bool = False              # Hydra++: one extra decoder layer over the base hidden states
     output: str = choice("shared", *OUTPUTS)  # shared: the base lm_head, frozen
-    draft_vocab_size: Optional[int] = at_least(None, 1)       # only for output: draft
+    # output: draft only: the size of the heads' own trained output layer (over the ids most frequent
+    # in their training data; runtime.config.HeadsConfig.draft_vocab_size). Not the draft vocabulary of
+    # heads that share the base lm_head: that is `draft_vocab.size` (validation refuses the mix-up)
+    draft_vocab_size: Optional[int] = at_least(None, 1)
     dropout: float = at_least(0.0, 0.0, 1.0)                  # training only
-    # derived after training or import, for heads whose output layer is the base lm_head (`shared`)
+    # the draft vocabulary (FR-Spec) of heads whose output layer is the base lm_head (`shared`),
+    # derived after training or import: `draft_vocab.size` is the setting for it
     draft_vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)
     train: TrainSettings = field(default_factory=TrainSettings)
 
@@ -281,7 +284,9 @@ class AcceptanceConfig:
     (greedy, or seeded sampling): lossless, and replayed exactly by rollout/grow. typical: the
     paper's (Medusa/Hydra) typical acceptance with its own temperature, epsilon and alpha (needs
     `sampling.temperature: 0`); it changes the output, and rollout/grow, which replay exact
-    acceptance, only rank the trees: recalibrate and time measure them under typical acceptance."""
+    acceptance, only rank the trees: recalibrate and time measure them under typical acceptance.
+    E.g. `acceptance.kind=typical acceptance.temperature=0.7 acceptance.epsilon=0.09 acceptance.alpha=0.3`;
+    its banks live in `<task>@typT<temperature>e<epsilon>a<alpha>/` (`pipeline.paths.acceptance_tag`)."""
 
     kind: str = choice("exact", "exact", "typical")
     temperature: float = at_least(0.7, 1e-6)    # typical only
@@ -383,17 +388,22 @@ class PipelineConfig:
     policy: PolicyConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
-    stage: str = choice("bank", *STAGE_ORDER)
+    stage: str = choice("bank", *STAGE_ORDER)  # the stage to run (its upstream stages run first when stale)
     force: bool = False                # rebuild the stage's output even when it is up to date
     artifacts_dir: str = "artifacts"
     data_dir: str = "data"
     seed: int = at_least(0, 0)
     dtype: str = choice("auto", "auto", *DTYPES)   # auto: the faster of float32 / bfloat16 on this machine (in the lossless mode's arithmetic)
-    # exact: every decode forward is row-invariant (padded to invariant_rows rows, keys in logical
+    # exact: every decode forward is row-invariant (each token's logits do not depend on how many
+    # tokens a forward holds or where they sit: padded to invariant_rows rows, keys in logical
     # order), so tree decoding equals AR token for token in any dtype; numerical: the fastest
     # arithmetic, divergences from AR listed and checked against a rounding bound (evaluate)
     lossless: str = choice("exact", "exact", "numerical")
-    invariant_rows: int = at_least(8, 1)  # padded row count of every decode forward under lossless=exact
+    # under lossless=exact: every decode forward is padded to this many rows (bigger trees: chunks).
+    # Smaller is cheaper on a CPU where the one-token path is slow (4 works on AVX2 + MKL); the model
+    # refuses a size whose products round a row by its place in the block. Unused where the small-row
+    # CPU kernels run (float32, AVX2): those are row-invariant unpadded
+    invariant_rows: int = at_least(8, 1)
     device: str = choice("cpu", "cpu", "cuda")
     threads: Optional[int] = at_least(None, 1)  # torch threads; null: torch's default
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -65,7 +65,12 @@ def config_problems(cfg: DictConfig) -> list[str]:
 
     missing = _missing_keys(cfg)
     for key in missing:
-        add(f"{key} is required but not set; pass {key}=... on the command line")
+        if key == "heads.dir":  # `dir: ???`: a published checkpoint's heads, imported from their folder
+            name = OmegaConf.select(cfg, "heads.name", default=None)
+            add(f"heads.dir is required for heads.name={name} (published heads, imported from their folder); "
+                "pass heads.dir=/path/to/the/downloaded/folder")
+        else:
+            add(f"{key} is required but not set; pass {key}=... on the command line")
     for p in field_problems(cfg, "", PipelineConfig):
         add(p)
     bad = {p.split("=", 1)[0] for p in problems} | set(missing)
@@ -141,7 +146,12 @@ def config_problems(cfg: DictConfig) -> list[str]:
     # ---- heads
     heads = get("heads")
     output = get("heads.output")
-    if isinstance(heads, dict) and not any(b.startswith("heads.") for b in bad):
+    own_size = get("heads.draft_vocab_size")
+    if own_size is not None and output != "draft":  # the two draft-vocabulary sizes, one dot apart
+        add(f"heads.draft_vocab_size={own_size} only sizes the own output layer of heads.output=draft heads, but "
+            f"heads.output={output}: to draft over the {own_size} ids the model emits most often, set "
+            f"heads.draft_vocab_size=null heads.draft_vocab.size={own_size}")
+    elif isinstance(heads, dict) and not any(b.startswith("heads.") for b in bad):
         from runtime.config import HeadsConfig
 
         # the runtime's own rules for a heads shape; sizes that come from the model are stand-ins

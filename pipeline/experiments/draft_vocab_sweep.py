@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.paths import Layout, default_model_name
+from pipeline.paths import REPO_ROOT, Layout, default_model_name
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import median, write_csv
 from pipeline.config.schema import TRAIN_TASKS
@@ -47,7 +47,6 @@ from runtime.heads import DraftHeads, HeadsConfig, draft_arithmetics, load_heads
 from runtime.model import Transformer, load_model
 from runtime.tree import Tree, TreeBuffers
 
-ROOT = Path(__file__).resolve().parents[2]
 RANK_CAP = 10
 # a 4-chain, a 9-node tree of depth 4 (the shape small banks keep) and Medusa's / Hydra's default
 REPLAY_TREES = {
@@ -268,9 +267,9 @@ def _groups(rows: list[dict], keys: tuple[str, ...], **where: Any) -> dict[tuple
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / Layout.for_model("artifacts", default_model_name()).model_dir))
+    ap.add_argument("--model", default=str(REPO_ROOT / Layout.for_model("artifacts", default_model_name()).model_dir))
     ap.add_argument("--heads-root", default=None, help="default artifacts/heads/<model name>")
-    ap.add_argument("--data", default=str(ROOT / "data"))
+    ap.add_argument("--data", default=str(REPO_ROOT / "data"))
     ap.add_argument("--kinds", nargs="+", default=["hydra", "medusa"])
     ap.add_argument("--sizes", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 49152])
     ap.add_argument("--arithmetics", nargs="+", default=["float32", "bfloat16", "int8"])
@@ -295,8 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     model_dir = Path(args.model)
-    heads_root = Path(args.heads_root or ROOT / Layout.for_model("artifacts", model_dir.name).heads_dir(""))
-    out = Path(args.out or ROOT / Layout.for_model("artifacts", model_dir.name).model_reports / "draft_vocab")
+    heads_root = Path(args.heads_root or REPO_ROOT / Layout.for_model("artifacts", model_dir.name).heads_dir(""))
+    out = Path(args.out or REPO_ROOT / Layout.for_model("artifacts", model_dir.name).model_reports / "draft_vocab")
     arithmetics = [a for a in args.arithmetics if a in draft_arithmetics(torch.device("cpu"))]
     global clock
     clock = CLOCKS[args.clock]
@@ -310,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     texts = {t: own_continuations(model, p, args.new_tokens) for t, p in calib.items()} if "quality" not in args.skip else {}
     settings = FrequencySettings(prompts_per_task=args.freq_prompts_per_task, max_new_tokens=args.freq_new_tokens)
     freq_dir = Path(args.freq) if args.freq else token_frequencies(model_dir, Path(args.data),
-                                                                   ROOT / Layout.for_model("artifacts", model_dir.name).frequencies_root, settings)
+                                                                   REPO_ROOT / Layout.for_model("artifacts", model_dir.name).frequencies_root, settings)
     ranking = read_frequencies(freq_dir, model.args.vocab_size)["ranking"]
     fulls = {}
     for kind in args.kinds:

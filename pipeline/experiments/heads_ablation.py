@@ -42,14 +42,13 @@ from pipeline.heads.mix import read_train_rows, select_prompts
 from pipeline.heads.report import evaluate_heads
 from pipeline.heads.train import train_loop
 from pipeline.model.provision import model_fingerprint
-from pipeline.paths import CONF_DIR, Layout, default_model_name
+from pipeline.paths import CONF_DIR, REPO_ROOT, Layout, default_model_name
 from pipeline.prepare import read_split
 from pipeline.config.schema import TRAIN_TASKS, TrainSettings
 from runtime.heads import DraftHeads
 from runtime.model import ModelArgs, load_model
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[2]
 
 # heads.train overrides of each training change under trial
 SAMPLED: dict[str, Any] = {"sampled_continuations": 1, "sample_temperature": 0.8}  # the shipped Hydra recipe's data
@@ -173,8 +172,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="key=value heads.train overrides of a `custom` variant")
     ap.add_argument("--shipped", action="store_true", help="also measure every shipped heads folder on the held-out text")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--artifacts", default=str(ROOT / "artifacts"))
-    ap.add_argument("--data", default=str(ROOT / "data"))
+    ap.add_argument("--artifacts", default=str(REPO_ROOT / "artifacts"))
+    ap.add_argument("--data", default=str(REPO_ROOT / "data"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     if args.threads:

@@ -1,4 +1,4 @@
-"""Model stage: provision a base model as a folder the runtime loads (config.json, safetensors,
+"""Provision a base model as a folder the runtime loads (config.json, safetensors,
 tokenizer.json, a chat template).
 
 Sources (the `model` config group):

@@ -1,4 +1,4 @@
-"""Prepare stage: turn a task's packaged data set into seeded, disjoint, rendered prompt splits.
+"""The prepare stage's library: turn a task's packaged data set into seeded, disjoint, rendered prompt splits.
 
 A task is one YAML file in `conf/task/` (adding a task needs no code change):
 
@@ -56,7 +56,8 @@ from this package (`from pipeline.prepare import read_split`), which re-exports 
 from pipeline.prepare.write import PREPARE_VERSION, prepare_task
 from pipeline.prepare.cli import main
 from pipeline.prepare.records import _MISSING, get_path, load_records
-from pipeline.prepare.render import TOKENIZER_FILES, load_chat_tokenizer, render_prompt, tokenizer_fingerprint
+from pipeline.prepare.render import (TOKENIZER_FILES, load_chat_tokenizer, render_prompt, task_prompts,
+                                     tokenizer_fingerprint)
 from pipeline.prepare.splits import assign_pools, read_manifest, read_split
 from pipeline.prepare.task_config import (
     CONF_DIR,
@@ -75,5 +76,5 @@ __all__ = [
     "CONF_DIR", "DEFAULT_TRAIN_CAP", "FORMATS", "LOADERS", "OVERLONG_POLICIES", "PREPARE_VERSION", "SPLITS",
     "TOKENIZER_FILES", "assign_pools", "get_path", "load_chat_tokenizer", "load_profile_config", "load_records",
     "load_task_config", "main", "prepare_task", "read_manifest", "read_split", "render_prompt", "resolve_source",
-    "tokenizer_fingerprint", "validate_task_config",
+    "task_prompts", "tokenizer_fingerprint", "validate_task_config",
 ]

@@ -1,7 +1,5 @@
-"""Prepare stage: turn a task's packaged data set into seeded, disjoint, rendered prompt splits.
-
-Command line without hydra: `python -m pipeline.prepare humaneval gsm8k --profile cpu --model-dir ...`.
-"""
+"""The prepare library from the command line, without hydra:
+`python -m pipeline.prepare humaneval gsm8k --profile cpu --model-dir ...`."""
 
 from __future__ import annotations
 

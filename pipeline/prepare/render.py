@@ -6,6 +6,9 @@ tokenize=False)`), and the ids are `tokenizer(prompt, add_special_tokens=False)`
 template already writes every special token, and transformers 5 changed the BOS defaults.
 `truncate` keeps the head of the task text (not of the rendered prompt, which would cut off the
 assistant header), shortened until the whole rendered prompt fits `max_prompt_tokens`.
+
+`task_prompts` renders the first records of tasks this way for the benchmarks and the tests
+that compare decoders on real prompts.
 """
 
 from __future__ import annotations
@@ -82,3 +85,29 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
     if not files:
         raise FileNotFoundError(f"{model_dir} holds none of {TOKENIZER_FILES}; run the model stage first")
     return files_fingerprint(files)
+
+
+def task_prompts(model_dir: str | Path, tasks: tuple[str, ...] | list[str], n_per_task: int,
+                 max_prompt_tokens: int = 1024) -> list[tuple[str, list[int]]]:
+    """[(task, prompt token ids)] for the first `n_per_task` usable records of each task, in file
+    order (so runs are comparable), rendered exactly as the prepare stage renders them: the task's
+    conf/task/<task>.yaml template through the model's chat template (generation prompt added),
+    encoded without adding special tokens again. Reading (incl. the cut-off ShareGPT file) is the
+    prepare stage's own."""
+    from pipeline.prepare.records import load_records
+    from pipeline.prepare.task_config import load_task_config
+
+    if n_per_task <= 0:
+        raise ValueError(f"n_per_task must be positive, got {n_per_task}")
+    tokenizer = load_chat_tokenizer(model_dir)
+    out: list[tuple[str, list[int]]] = []
+    for task in tasks:
+        cfg = load_task_config(task)
+        records, _ = load_records(cfg)
+        if len(records) < n_per_task:
+            raise ValueError(f"task {task!r} has only {len(records)} usable records; ask for fewer prompts")
+        for rec in records[:n_per_task]:
+            rendered = render_prompt(tokenizer, rec["text"], cfg["template"], cfg.get("system"), max_prompt_tokens,
+                                     "truncate")
+            out.append((task, rendered[1]))
+    return out

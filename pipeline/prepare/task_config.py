@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.model.provision import find_package_file
+from pipeline.paths import CONF_DIR
 
 SPLITS = ("eval", "calib", "train")
 FORMATS = ("jsonl", "jsonl.gz", "json")
 LOADERS = ("auto", "datasets", "plain")
 OVERLONG_POLICIES = ("truncate", "skip")
 DEFAULT_TRAIN_CAP = 400
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
 
 _TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

@@ -1,4 +1,4 @@
-"""The prepare stage itself: records -> pools -> rendered prompts -> data/<task>/{split}.jsonl.
+"""Writing the prepared splits: records -> pools -> rendered prompts -> data/<task>/{split}.jsonl.
 
 Over-long prompts that the `skip` policy drops leave their pool smaller: they are never
 back-filled from train, which would make train depend on the profile. As truncation can render

@@ -1,25 +1,6 @@
-"""Rollout stage: greedy continuations of the calibration prompts and their rank paths.
-
-Greedy acceptance is a rank path (see `pipeline.replay`): the decoded text does not depend on the tree,
-so one AR greedy continuation y per prompt, one teacher-forced pass of the base model over
-prompt + y, and the heads run along y give, for every step index i, the rank path
-R[i, d-1] = rank of y_{i+1+d} in head d's distribution (capped at K). Every tree, policy and
-oracle is then replayed from these arrays without running the model again.
-
-Shardable by prompt (`shard`, `num_shards`): shard k takes prompts k, k+n, k+2n, ...; `merge`
-restores prompt order, so a merged sharded rollout equals a single-process one.
-
-Head scores for EntMTP-dyn (`runtime.dynamic`): a DynamicPolicy chooses each step's tree from the
-heads' probabilities of a super-tree S's nodes, drafted from the step's context vector. The
-smallest exact record of that is, per step index i, the [N-1] float32 probabilities of S's
-non-root nodes as `DraftHeads.propose_scored` gives them for S itself (a Hydra node's probability
-depends on the tokens of its path, and the heads' products round by their row count, so the
-scores of a larger tree are not S's). `score_prompt` computes them from the context vectors a
-decoder sees (`decode_contexts`: the prefill, then the continuation in one causal-masked forward,
-which a row-invariant model computes as bit-identically as any decode forward). They are kept
-beside the rollout in a versioned file (`save_scores` / `load_scores`, SCORES_FORMAT), one array
-per candidate super-tree, checked against the rollout they belong to on load.
-"""
+"""One shard of the calibration rollout: per prompt, the AR continuation (greedy or seeded sampling),
+one teacher-forced pass over prompt + continuation, and the rank paths and signals recorded from it
+(`rollout_prompt`, `run_rollout`); saving and loading a rollout folder."""
 
 from __future__ import annotations
 

@@ -1,15 +1,4 @@
-"""Rollout stage: greedy continuations of the calibration prompts and their rank paths.
-
-Greedy acceptance is a rank path (see `pipeline.replay`): the decoded text does not depend on the tree,
-so one AR greedy continuation y per prompt, one teacher-forced pass of the base model over
-prompt + y, and the heads run along y give, for every step index i, the rank path
-R[i, d-1] = rank of y_{i+1+d} in head d's distribution (capped at K). Every tree, policy and
-oracle is then replayed from these arrays without running the model again.
-
-Shardable by prompt (`shard`, `num_shards`): shard k takes prompts k, k+n, k+2n, ...; `merge`
-restores prompt order, so a merged sharded rollout equals a single-process one.
-
-Head scores for EntMTP-dyn (`runtime.dynamic`): a DynamicPolicy chooses each step's tree from the
+"""The scores stage's library: head scores for EntMTP-dyn (`runtime.dynamic`). A DynamicPolicy chooses each step's tree from the
 heads' probabilities of a super-tree S's nodes, drafted from the step's context vector. The
 smallest exact record of that is, per step index i, the [N-1] float32 probabilities of S's
 non-root nodes as `DraftHeads.propose_scored` gives them for S itself (a Hydra node's probability
@@ -18,8 +7,7 @@ scores of a larger tree are not S's). `score_prompt` computes them from the cont
 decoder sees (`decode_contexts`: the prefill, then the continuation in one causal-masked forward,
 which a row-invariant model computes as bit-identically as any decode forward). They are kept
 beside the rollout in a versioned file (`save_scores` / `load_scores`, SCORES_FORMAT), one array
-per candidate super-tree, checked against the rollout they belong to on load.
-"""
+per candidate super-tree, checked against the rollout they belong to on load."""
 
 from __future__ import annotations
 
@@ -41,14 +29,17 @@ from runtime.tree import TreeBuffers
 SCORES_FILE, SCORES_META = "scores.safetensors", "scores.json"
 
 
+CONTEXT_CHUNK = 32  # continuation tokens per forward in `decode_contexts`
+
+
 @torch.inference_mode()
 def decode_contexts(model: Transformer, heads: DraftHeads, input_ids: list[int], tokens: list[int] | np.ndarray) -> torch.Tensor:
     """The context vectors [T, dim] from which a decoder drafts at step indices i = 0..T-1 of the
     continuation `tokens` (y_1..y_T): row i follows y_{i+1}'s predecessor, as `TreeDecoder` holds it
     before drafting the step whose root is y_{i+1}.
 
-    Computed as a decoder computes them: the same prefill, then y_1..y_{T-1} in one forward with an
-    explicit causal mask, which a row-invariant model (`lossless: exact`) runs through its
+    Computed as a decoder computes them: the same prefill, then y_1..y_{T-1} in causal-masked
+    forwards of CONTEXT_CHUNK tokens, which a row-invariant model (`lossless: exact`) runs through its
     row-invariant path, giving every position the bits any decode forward gives it. A prefix layer
     (Hydra++) observes the prompt, then one position at a time; a decode observes each step's
     accepted positions together, which may round its context differently in the last bits."""
@@ -59,17 +50,21 @@ def decode_contexts(model: Transformer, heads: DraftHeads, input_ids: list[int],
     _, hidden = model(torch.tensor([list(input_ids)], dtype=torch.long, device=dev), torch.arange(P, device=dev),
                       last_only=True)
     parts = [hidden[0, -1:]]
-    if T > 1:
-        n = T - 1
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
-        _, rest = model(torch.tensor([y[:-1]], dtype=torch.long, device=dev), torch.arange(P, P + n, device=dev),
-                        mask=causal)
-        parts.append(rest[0])
+    # the continuation in causal pieces of CONTEXT_CHUNK tokens: the row-invariant attention holds a
+    # forward's tokens at most KEY_CHUNK - 1 deep, and row invariance makes the pieces' bits those of
+    # one forward
+    for a in range(0, T - 1, CONTEXT_CHUNK):
+        b = min(a + CONTEXT_CHUNK, T - 1)
+        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=dev).tril_()
+        _, piece = model(torch.tensor([y[a:b]], dtype=torch.long, device=dev), torch.arange(P + a, P + b, device=dev),
+                         mask=causal)
+        parts.append(piece[0])
     if heads.prefix is None:
         return torch.cat(parts)
     # Hydra++: the prefix layer's cache is fed as a decode feeds it, the prompt then position by position
     out = [heads.observe(hidden, torch.arange(P, device=dev))]
-    if T > 1:
+    rest = torch.cat(parts[1:])[None] if T > 1 else None
+    if rest is not None:
         out += [heads.observe(rest[:, j:j + 1], torch.arange(P + j, P + j + 1, device=dev)) for j in range(T - 1)]
     return torch.cat(out)
 

@@ -83,10 +83,6 @@ def output(cfg: DictConfig) -> Path:
 
     out = run_stage("bank", lay.bank_dir, key, build, force=forced(cfg, "bank"))
     if cfg.stage == "bank":
-        table = read_json(out / MANIFEST).get("summary", {}).get("table")
-        if table is None:  # built before the manifest kept the table
-            from runtime.bank import TopologyBank
-
-            table = TopologyBank.load(out).summary().splitlines()[1:]
+        table = read_json(out / MANIFEST)["summary"]["table"]
         log.info("%s", "\n".join([f"TopologyBank {out}", *table]))
     return out

@@ -1,4 +1,4 @@
-"""Time stage helpers: timed decodes of candidate trees, pruning by modeled cost, the throughput hull.
+"""Timed decodes of candidate trees, pruning by modeled cost, the throughput hull.
 
 The step cost the bank uses comes from `pipeline.timing.step_cost` (a model measured from many short
 repeats); the timed decodes here (draft + verify + accept, warmed up, trees interleaved round by

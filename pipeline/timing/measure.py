@@ -1,4 +1,4 @@
-"""The time stage's build: the step-cost model of this machine (with its batch axis), every
+"""Measuring a machine for the time stage: the step-cost model of this machine (with its batch axis), every
 candidate tree's modeled step and end-to-end tok/s, the checks against timed decodes, written to
 `timing.json` and `step_cost.json`."""
 

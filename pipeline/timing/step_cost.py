@@ -354,7 +354,7 @@ def fill_cache(model: Transformer, length: int, gen: torch.Generator) -> None:
 
 
 # depth of the timing trees' branches: as deep as verified trees go, and well inside the exact
-# attention's limit (runtime.model.KEY_CHUNK - 1 new tokens on one path)
+# attention's limit (runtime.model.invariant.KEY_CHUNK - 1 new tokens on one path)
 TIMING_BRANCH_DEPTH = 8
 
 

@@ -23,8 +23,10 @@ as load grows, and nothing is claimed beyond the evidence. It is also TensorRT-L
 The bank.json contract: key ``"batch_sizes"``
 ---------------------------------------------
 The bank stage records its per-batch-size choices in bank.json under ``"batch_sizes"``, and a loaded
-bank exposes the same mapping as ``bank.batch_schedule``. `schedule_from_bank` reads it in this shape
-(every number a finite JSON number; ``k`` indexes the bank's ``"trees"`` list)::
+bank exposes the same mapping as ``bank.batch_schedule``. `choices_from_batch_sizes` reads it in this
+shape (every number a finite JSON number; ``k`` indexes the bank's ``"trees"`` list); the bank side
+(`runtime.bank.TopologyBank.serving_schedule`) turns a bank into a `ServingSchedule` with it, and this
+module knows no bank::
 
     "batch_sizes": {
       "<B>": {                                   # batch size as a decimal string: "1", "8", "32", ...
@@ -45,14 +47,8 @@ bank exposes the same mapping as ``bank.batch_schedule``. `schedule_from_bank` r
 Keys must be distinct batch sizes >= 1; ``step_ms`` and ``tok_per_s`` hold exactly one entry per
 bank tree, and the entry of ``best_static`` must be measured. A tree's tokens per step do not
 depend on the batch size (acceptance is per sequence); they come from the bank's per-tree figures.
-In memory, ``bank.batch_schedule`` holds the same mapping (int keys allowed); None or an empty
-mapping there means no batch axis.
-
-Banks built before the batch axis (no ``"batch_sizes"``) give a schedule of batch size 1 only, marked
-``approximate``: the tree is the bank's best static tree with its figures; ``chain_len`` is the depth
-of the longest all-top-1 path (0,), (0, 0), ... inside that tree -- an approximation used only for
-such banks, since they never timed chains on their own -- with the figures of ``Tree.chain(chain_len)``
-when the bank holds that chain; ``ar_step_ms`` is ``1000 / provenance["ar_tok_per_s"]`` when recorded.
+In memory, ``bank.batch_schedule`` holds the same mapping (int keys allowed). Every bank has the
+record: the loader refuses one without it (built before the batch axis) with a rebuild message.
 """
 
 from __future__ import annotations
@@ -60,14 +56,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runtime.tree import Tree
 
-if TYPE_CHECKING:
-    from runtime.bank import TopologyBank
-
-BANK_KEY = "batch_sizes"
+RECORD = "batch_sizes"  # the record's name in error messages (bank.json's key for it)
 
 
 class ScheduleError(ValueError):
@@ -100,16 +93,6 @@ def eagle_pool(depth: int, topk: int) -> int:
     """Draft candidates an EAGLE tree of this depth and width can hold (root excluded): ``topk`` at the
     first step, ``topk**2`` at each later one (SGLang PR #24054 states the same bound)."""
     return 0 if depth <= 0 or topk <= 0 else topk + (depth - 1) * topk * topk
-
-
-def chain_in_tree(tree: Tree | None) -> int:
-    """Depth of the longest all-top-1 path (0,), (0, 0), ... contained in `tree` (0 for None)."""
-    if tree is None:
-        return 0
-    d = 0
-    while (0,) * (d + 1) in tree:
-        d += 1
-    return d
 
 
 # ---------------------------------------------------------------------------------- validation
@@ -221,14 +204,12 @@ class ServingChoice:
 class ServingSchedule:
     """The bank's choice per measured batch size, plus the bank's trees (the cost table's columns).
 
-    ``source`` names where it came from (a bank folder); ``approximate`` marks a schedule built from a
-    bank without a batch axis (batch size 1 only, chain length taken from the tree).
+    ``source`` names where it came from (a bank folder).
     """
 
     choices: tuple[ServingChoice, ...]
     trees: tuple[Tree, ...] = ()
     source: str | None = None
-    approximate: bool = False
     _by_size: dict[int, ServingChoice] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -249,8 +230,6 @@ class ServingSchedule:
             if c.tree_step_ms and len(c.tree_step_ms) != len(trees):
                 raise ScheduleError(f"batch size {c.batch_size}: the cost row has {len(c.tree_step_ms)} entries for "
                                     f"{len(trees)} trees")
-        if not isinstance(self.approximate, bool):
-            raise ScheduleError(f"approximate must be a bool, got {self.approximate!r}")
         if self.source is not None and not isinstance(self.source, str):
             raise ScheduleError(f"source must be a str or None, got {type(self.source).__name__}")
         object.__setattr__(self, "choices", choices)
@@ -308,7 +287,7 @@ class ServingSchedule:
         }
 
 
-# ------------------------------------------------------------------------------ from a bank
+# ------------------------------------------------------------------------ from a bank's record
 
 
 def _check_index(k: Any, n: int, where: str) -> int | None:
@@ -329,12 +308,12 @@ def choices_from_batch_sizes(batch_sizes: Mapping[Any, Any], trees: Sequence[Tre
                              figures: Sequence[Mapping[str, Any]]) -> tuple[ServingChoice, ...]:
     """The choices recorded under bank.json's ``"batch_sizes"`` (the contract in the module docstring)."""
     if not isinstance(batch_sizes, Mapping) or not batch_sizes:
-        raise ScheduleError(f"'{BANK_KEY}' must be a non-empty object keyed by batch size, got {batch_sizes!r:.80}")
+        raise ScheduleError(f"'{RECORD}' must be a non-empty object keyed by batch size, got {batch_sizes!r:.80}")
     n = len(trees)
     parsed: dict[int, ServingChoice] = {}
     for key, entry in batch_sizes.items():
-        b = _batch_size(key, f"'{BANK_KEY}' key {key!r}")
-        where = f"'{BANK_KEY}'[{key!r}]"
+        b = _batch_size(key, f"'{RECORD}' key {key!r}")
+        where = f"'{RECORD}'[{key!r}]"
         if b in parsed:
             raise ScheduleError(f"{where}: batch size {b} is listed twice")
         if not isinstance(entry, Mapping):
@@ -370,41 +349,3 @@ def choices_from_batch_sizes(batch_sizes: Mapping[Any, Any], trees: Sequence[Tre
         )
     return tuple(parsed[b] for b in sorted(parsed))
 
-
-def _legacy_choice(bank: TopologyBank) -> ServingChoice:
-    """Batch size 1 from a bank without a batch axis (see the module docstring)."""
-    trees, figures = list(bank.trees), list(bank.figures)
-    k = bank.best_static
-    tree = trees[k]
-    fig = figures[k] if k < len(figures) else {}
-    chain_len = chain_in_tree(tree)
-    chain_fig: Mapping[str, Any] = {}
-    if chain_len and Tree.chain(chain_len) in trees:
-        chain_fig = figures[trees.index(Tree.chain(chain_len))]
-    ar = (bank.provenance or {}).get("ar_tok_per_s")
-    measured = isinstance(ar, (int, float)) and not isinstance(ar, bool) and math.isfinite(ar) and ar > 0
-    ar_ms = 1000.0 / ar if measured else None
-    speculates = len(tree) > 0
-    return ServingChoice(
-        batch_size=1, tree=tree, tree_index=k if speculates else None, chain_len=chain_len,
-        tokens_per_step=fig.get("tokens_per_step") if speculates else None,
-        step_ms=fig.get("step_ms") if speculates else None, tok_per_s=fig.get("tok_per_s") if speculates else None,
-        chain_tokens_per_step=chain_fig.get("tokens_per_step"), chain_step_ms=chain_fig.get("step_ms"),
-        chain_tok_per_s=chain_fig.get("tok_per_s"), ar_step_ms=ar_ms,
-        tree_step_ms=tuple(f.get("step_ms") for f in figures),
-        tree_tok_per_s=tuple(f.get("tok_per_s") for f in figures),
-    )
-
-
-def schedule_from_bank(bank: TopologyBank) -> ServingSchedule:
-    """The bank's serving schedule: its ``"batch_sizes"`` record when it has one, else batch size 1 only
-    (``approximate``; see the module docstring for both)."""
-    recorded = bank.batch_schedule
-    if isinstance(recorded, Mapping) and not recorded:  # empty: no batch axis
-        recorded = None
-    source = None if getattr(bank, "path", None) is None else str(bank.path)
-    if recorded is None:
-        return ServingSchedule(choices=(_legacy_choice(bank),), trees=tuple(bank.trees), source=source,
-                               approximate=True)
-    choices = choices_from_batch_sizes(recorded, list(bank.trees), list(bank.figures))
-    return ServingSchedule(choices=choices, trees=tuple(bank.trees), source=source)

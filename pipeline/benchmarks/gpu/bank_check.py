@@ -1,4 +1,4 @@
-"""The bank-level GPU check (formerly `make gpu-check`): real banks built and decoded on a GPU.
+"""The bank-level GPU check: real banks built and decoded on a GPU.
 
     python -m pipeline.benchmarks.gpu.bank_check [--dtypes float16 bfloat16] [--prompts 2]
 
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from pipeline.paths import REPO_ROOT
 
 
 def _build_bank(dtype: str, root: Path) -> Path:
@@ -37,12 +37,12 @@ def _build_bank(dtype: str, root: Path) -> Path:
 
     # the shipped default heads (those the default config decodes with), used as they are
     name = heads_run_name(compose_cfg([]).heads)
-    heads = REPO / Layout.for_model("artifacts", default_model_name()).heads_dir(name)
+    heads = REPO_ROOT / Layout.for_model("artifacts", default_model_name()).heads_dir(name)
     cmd = [sys.executable, "-m", "pipeline", "stage=bank", "task=humaneval", "device=cuda", f"dtype={dtype}",
            f"artifacts_dir={root}", f"data_dir={root / 'data'}", f"heads.dir={heads}", f"heads.name={name}",
            "heads.draft_vocab.size=null"]
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=REPO, check=True)
+    subprocess.run(cmd, cwd=REPO_ROOT, check=True)
     print(f"[gpu-bank-check] {dtype}: bank built in {time.perf_counter() - t0:.0f} s")
     banks = sorted((root / "banks").glob("*/*/humaneval*/bank.json"))  # humaneval@<dtype>
     if not banks:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--root", default=str(REPO / "artifacts" / "gpu_bank_check"))
+    ap.add_argument("--root", default=str(REPO_ROOT / "artifacts" / "gpu_bank_check"))
     args = ap.parse_args(argv)
 
     import torch

@@ -1,12 +1,9 @@
 """`make gpu-check`: the prepared check for a GPU machine that reaches no registry and holds no model.
 
-    PYTHONPATH=.whl/gpu/site python3 -m pipeline.benchmarks.gpu.check --out DIR   # DIR/gpu_check.json
+    python3 -m pipeline.benchmarks.gpu.check --out DIR   # DIR/gpu_check.json
 
-It runs with the machine's own Python and torch (no venv, no install). The only packages it needs
-beyond torch and numpy are the pure-Python ones that pipeline/benchmarks/__init__.py imports
-(through pipeline.config.schema: hydra-core, omegaconf, antlr4-python3-runtime): `make gpu-wheels` unpacks
-them into .whl/gpu/site, which the command line puts on PYTHONPATH (the package's __init__ runs
-before this module could add it) and a device call carries (carry=[".whl/gpu"]). No model either:
+It runs with the machine's own Python and torch (no venv, no install): it needs torch and numpy only
+(pipeline.benchmarks and this package import neither hydra-core nor omegaconf). No model either:
 a random-weight model of Vicuna-7B's shape (32 layers, dim 4096, 32 heads, 11008 intermediate,
 vocabulary 32000) with random Hydra heads, plus Medusa's default tree `mc_sim_7b_63` and the trees
 of any banks under artifacts/banks.
@@ -47,11 +44,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = REPO / "artifacts" / "reports" / "benchmarks" / "gpu_check"
+from pipeline.paths import REPO_ROOT
+
+DEFAULT_OUT = REPO_ROOT / "artifacts" / "reports" / "benchmarks" / "gpu_check"
 ENV_ASSUME_GPU = "ENTMTP_ASSUME_GPU"
 REPORT = "gpu_check.json"
-INVARIANT_ROWS = 8  # conf/config.yaml's invariant_rows: the padded row count of `lossless: exact`
+INVARIANT_ROWS = 8  # the schema's invariant_rows default: the padded row count of `lossless: exact`
 
 # the sizes per mode: (shape, dtypes, contexts, rows, repeats, step-model probe rounds and check
 # rounds, new tokens per timed decode, prompt tokens of the decodes, graph timing repeats, budget s,
@@ -237,13 +235,13 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
 
     def probe_section() -> None:
         # the row-invariance probe at Vicuna-7B's and Llama-3-8B's attention shapes (1-layer models,
-        # every row of two trees against an AR walk), where pipeline.benchmarks.row_invariance has it
-        from pipeline.benchmarks import row_invariance
+        # every row of two trees against an AR walk), where pipeline.timing.invariance has it
+        from pipeline.timing import invariance
 
-        probe = getattr(row_invariance, "invariance_probe", None)
+        probe = getattr(invariance, "invariance_probe", None)
         if probe is None:
-            out["attention_probe"] = {"unavailable": "pipeline.benchmarks.row_invariance has no invariance_probe"}
-            say("    attention probe: unavailable (no row_invariance.invariance_probe)")
+            out["attention_probe"] = {"unavailable": "pipeline.timing.invariance has no invariance_probe"}
+            say("    attention probe: unavailable (no pipeline.timing.invariance.invariance_probe)")
             return
         kwargs = {} if cfg["probe_contexts"] is None else {"contexts": cfg["probe_contexts"]}
         try:

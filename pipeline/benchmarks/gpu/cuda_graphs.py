@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from runtime.model.llama import KVCache, Transformer, apply_rope
+from runtime.model.cache import KVCache
+from runtime.model.llama import Transformer
+from runtime.model.rope import apply_rope
 from runtime.tree import TreeBuffers
 
 

@@ -27,12 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipeline.paths import REPO_ROOT
 from runtime.device import clock
 from runtime.heads import DraftHeads, HeadsConfig
 from runtime.model import ModelArgs, Transformer
 from runtime.tree import Tree, TreeBuffers
-
-REPO = Path(__file__).resolve().parents[2]
 
 # The shapes the check runs at. vicuna-7b: Vicuna-7B v1.3 (Llama-1 7B), the paper's model. The
 # others exist to run the same code on a CPU: cpu-small in a minute or two on 2 cores, tiny in
@@ -125,7 +124,7 @@ def check_trees(num_heads: int = NUM_HEADS, banks_dir: Path | None = None) -> di
     `<task>#<index>`. Trees deeper than the heads are left out."""
     trees: dict[str, Tree] = {"chain4": Tree.chain(4), "mc_sim_7b_63": Tree.named("mc_sim_7b_63")}
     seen = set(trees.values())
-    banks_dir = REPO / "artifacts" / "banks" if banks_dir is None else banks_dir
+    banks_dir = REPO_ROOT / "artifacts" / "banks" if banks_dir is None else banks_dir
     for bank in sorted(banks_dir.glob("*/*/*/bank.json")):
         try:
             doc = json.loads(bank.read_text())
@@ -470,7 +469,7 @@ def failures_of(rows: dict[str, Any], graphs: dict[str, Any], dtype: torch.dtype
                 probe: dict[str, Any] | None = None) -> list[str]:
     """What in a dtype's results breaks a promise: the row-invariant arithmetic's rows must equal
     AR's bit for bit (what `lossless: exact` rests on), in the whole model and in the attention
-    probe (`pipeline.benchmarks.row_invariance.invariance_probe`); the graphs' forward must compute
+    probe (`pipeline.timing.invariance.invariance_probe`); the graphs' forward must compute
     what the eager forward computes up to rounding (a wrong mask or position gives differences of
     the logits' own size)."""
     bad = []

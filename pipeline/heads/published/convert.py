@@ -1,4 +1,4 @@
-"""Heads stage input `heads.dir`: published Hydra / Hydra++ / Medusa-1 folders, converted once.
+"""Converting a `heads.dir` folder: published Hydra / Hydra++ / Medusa-1 folders, converted once.
 
 `heads.dir=<folder>` accepts either
 * a folder in this project's format (`config.json` with `format: entmtp-heads` + `heads.safetensors`,
