@@ -7,7 +7,7 @@
  * forward of a 3-node tree costs ~1.5x a one-token forward instead of ~1.1x.
  *
  * Layout: W [N, K] is packed once as panels of 16 output rows, P [N/16][K][16] (see
- * runtime/model/small_rows.py), so a panel streams contiguously. For each panel and each block of up to
+ * runtime/small_rows.py), so a panel streams contiguously. For each panel and each block of up to
  * 6 input rows the micro-kernel keeps 6 x 16 partial sums in registers while it walks k: one pass
  * over the panel serves all the rows (the panel stays in cache for the next block of rows).
  *
@@ -350,7 +350,7 @@ void small_rows_attention(const float *q, const float *k, const float *v, int64_
     }
 }
 
-/* The sha256 of this file as it was compiled (setup.py passes it): runtime/model/small_rows.py compares it
+/* The sha256 of this file as it was compiled (setup.py passes it): runtime/small_rows.py compares it
  * with the installed source and refuses a stale build. */
 #ifndef SMALL_ROWS_SOURCE_SHA
 #define SMALL_ROWS_SOURCE_SHA "unknown"
