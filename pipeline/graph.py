@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.artifacts import MANIFEST, before_first_build, hash_obj, read_json
-from pipeline.config.schema import STAGE_ORDER
+from pipeline.config.schema import STAGE_ORDER, key_view
 from pipeline.loaders import RuntimeSpec, invariant_rows
 from pipeline.paths import Layout
 
@@ -60,8 +60,10 @@ def plain(node: Any) -> Any:
 
 
 def config_key(cfg: DictConfig, fields: Iterable[str]) -> dict[str, Any]:
-    """{dotted field: resolved value} for the fields a stage reads: the config part of its key."""
-    return {f: plain(OmegaConf.select(cfg, f, throw_on_missing=True)) for f in fields}
+    """{dotted field: resolved value} for the fields a stage reads: the config part of its key.
+    Settings newer than the outputs already built are left out while at their default
+    (`pipeline.config.schema.KEY_NEUTRAL_DEFAULTS`), so adding one rebuilds nothing."""
+    return {f: key_view(f, plain(OmegaConf.select(cfg, f, throw_on_missing=True))) for f in fields}
 
 
 def output_digest(folder: str | Path) -> str:

@@ -68,9 +68,15 @@ def acceptance_tag(acceptance: Any) -> str:
 
 def heads_run_name(heads: Any) -> str:
     """The name of the heads every stage after `heads` decodes with: `heads.name`, or
-    `<name>-draft<size>` when they draft over a frequency-ranked vocabulary (`heads.draft_vocab`)."""
+    `<name>-draft<size>` when they draft over a frequency-ranked vocabulary (`heads.draft_vocab`),
+    which heads with an output layer of their own never do (the heads stage skips it for them:
+    `pipeline.heads.published.convert.own_output_reason`)."""
     size = (heads.get("draft_vocab") or {}).get("size")
-    return f"{heads.name}-draft{int(size)}" if size else str(heads.name)
+    if not size:
+        return str(heads.name)
+    from pipeline.heads.published.convert import own_output_reason
+
+    return str(heads.name) if own_output_reason(heads) else f"{heads.name}-draft{int(size)}"
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from runtime.bank import BankError, TopologyBank
-from runtime.decoder import Acceptance, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
+from runtime.decoder import Acceptance, Drafter, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
 from runtime.device import clock, resolve_device, torch_dtype
 from runtime.dynamic import DynamicPolicy
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
-from runtime.heads import DraftHeads, load_heads
+from runtime.heads import load_heads
 from runtime.model import Transformer, load_model, load_tokenizer
 from runtime.policy import BatchScheduler, Scheduler, policy_from_dict
 from runtime.sampling import Sampler, SamplingConfig
@@ -69,11 +69,12 @@ DEFAULT_INVARIANT_ROWS = 8
 class EntMTP:
     """A model + draft heads + TopologyBank, ready to decode losslessly with per-step tree choice."""
 
-    def __init__(self, model: Transformer, heads: DraftHeads, bank: TopologyBank, tokenizer: Any = None,
+    def __init__(self, model: Transformer, heads: Drafter, bank: TopologyBank, tokenizer: Any = None,
                  model_dir: Path | None = None, acceptance: Acceptance | dict | None = None) -> None:
         """`acceptance`: "exact" (lossless), "typical" (the paper's settings), a dict {kind,
         temperature, epsilon, alpha} or a `TypicalAcceptance`; None takes the one the bank was
-        measured with (its provenance; exact for banks that record none)."""
+        measured with (its provenance; exact for banks that record none). `heads`: draft heads or
+        an EAGLE-3 drafter (runtime.decoder's `Drafter`)."""
         self.model, self.heads, self.bank, self.tokenizer = model, heads, bank, tokenizer
         self.model_dir = model_dir
         self.acceptance = make_acceptance(acceptance if acceptance is not None else bank.provenance.get("acceptance"))
@@ -113,7 +114,10 @@ class EntMTP:
         padded to `invariant_rows` rows), so `generate` equals `generate_ar` token for token in any
         dtype; "numerical" keeps the ordinary, fastest arithmetic, where a bf16 tree verify and a
         one-token AR forward can round a near-tied argmax apart. Both default to what the bank was
-        built and measured with ("exact" with 8 rows for a bank that records neither)."""
+        built and measured with ("exact" with 8 rows for a bank that records neither).
+
+        The heads folder may hold draft heads or an EAGLE-3 drafter (`runtime.eagle3.save_drafter`):
+        `load_heads` tells them apart by their config.json."""
         bank_dir = Path(bank_dir)
         probe = TopologyBank.load(bank_dir, force=True)  # read provenance first: where are the weights?
         prov = probe.provenance
@@ -135,7 +139,7 @@ class EntMTP:
         model.set_row_invariance(int(rows) if mode == "exact" else None)
         heads = load_heads(heads_dir, model=model)
         bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(model_dir),
-                                 heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.config.num_heads,
+                                 heads_fingerprint=heads_fingerprint(heads_dir), max_depth=heads.max_depth,
                                  force=force)
         return cls(model, heads, bank, load_tokenizer(model_dir), model_dir, acceptance=acceptance)
 

@@ -17,20 +17,27 @@ autoregressive decoding with the same sampler (greedy, or seeded sampling at tem
 runtime/sampling.py), for any tree and any per-step choice of tree (up to floating-point ties in an
 argmax). Typical acceptance (`TypicalAcceptance`) is the paper's and published Medusa/Hydra's rule:
 it accepts more, and changes the output distribution.
+
+The drafter is anything that follows the `Drafter` protocol below: Medusa/Hydra/Hydra++ heads
+(`runtime.heads.DraftHeads`) or an EAGLE-3 drafter (`runtime.eagle3.Eagle3Drafter`), which reads
+the target's intermediate features: the decoder turns their capture on for the forwards it runs
+(`Transformer.capture_aux`) and hands each observation the features of the accepted rows of the
+very forward that verified them.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from runtime.device import clock
 from runtime.dynamic import DYNAMIC_TREE, DynamicPolicy
-from runtime.heads import DraftHeads
 from runtime.model import BatchItem, KVCache, Transformer
 from runtime.policy import SIGNALS, BatchScheduler, Scheduler
 from runtime.sampling import RowPositions, Sampler
@@ -39,6 +46,63 @@ from runtime.tree import TreeBuffers
 # names of the signals for which the decoder runs the heads' greedy chain every step (see
 # `Signal.reads_heads`; the paper's signal is not one of them, see `PaperSignal`)
 HEAD_SIGNALS = tuple(name for name, cls in SIGNALS.items() if cls.reads_heads)
+
+
+class Drafter(Protocol):
+    """What `TreeDecoder` drives: `runtime.heads.DraftHeads` (Medusa, Hydra, Hydra++) or
+    `runtime.eagle3.Eagle3Drafter` (EAGLE-3). One decode, as the decoder calls it:
+
+    * `bind(model)` once (the decoder's constructor); `reset()` at the start of a sequence;
+      `new_state()` / `save_state()` / `load_state(state)`: a batch keeps one state per sequence
+      (heads without a prefix layer keep none: None);
+    * `aux_layer_ids`: the target layers whose inputs it reads (() for heads); when not empty the
+      decoder turns `model.capture_aux(aux_layer_ids)` on for its forwards;
+    * `observe(hidden [1, n, dim], positions [n], next_tokens [n], features [n, k*dim] | None) -> h`,
+      after the prefill (the prompt's positions) and after every step (the root and the accepted
+      drafts, rows of the verify forward gathered along the accepted path): `hidden` the target's
+      final states there; for a drafter with `aux_layer_ids` (None otherwise: heads read neither)
+      `features` the target's aux features there and `next_tokens` the tokens at the next
+      positions (the prompt's tokens after the first, then the first root; the accepted drafts,
+      then the bonus token, which is the next root). Returns the context `h` that drafts below the
+      next root. Only committed positions are observed, so its state is a function of the true
+      prefix alone (drafted rows never stay);
+    * `propose(h, root, buffers) -> tokens [N]` (node order, tokens[0] = root);
+      `propose_scored(h, root, buffers, stop_after) -> (tokens [N], node_prob [N])` (EntMTP-dyn,
+      `runtime.dynamic`); `propose_batch(h [B, .], roots [B], buffers, states) -> tokens [B, N]`
+      for the sequences of a batch that draft one tree, `states` their `save_state()`s;
+    * `max_depth`: the deepest tree it drafts; `greedy_top1(h, root) -> [p_1..p_D]`, the top-1
+      probabilities along its own greedy chain (the signals that read the drafter, `HEAD_SIGNALS`).
+    """
+
+    @property
+    def max_depth(self) -> int: ...
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]: ...
+
+    def bind(self, model: Transformer) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def new_state(self) -> Any: ...
+
+    def save_state(self) -> Any: ...
+
+    def load_state(self, state: Any) -> None: ...
+
+    def observe(self, hidden: torch.Tensor, positions: torch.Tensor, next_tokens: torch.Tensor | None = None,
+                features: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def propose(self, h: torch.Tensor, root_token: int | torch.Tensor, buffers: TreeBuffers) -> torch.Tensor: ...
+
+    def propose_scored(self, h: torch.Tensor, root_token: int | torch.Tensor, buffers: TreeBuffers,
+                       stop_after: Callable[[int, torch.Tensor], bool] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def propose_batch(self, h: torch.Tensor, root_tokens: torch.Tensor | Sequence[int], buffers: TreeBuffers,
+                      states: Sequence[Any] | None = None) -> torch.Tensor: ...
+
+    def greedy_top1(self, h: torch.Tensor, root: int | torch.Tensor) -> list[float]: ...
 
 
 ACCEPTANCE_KINDS = ("exact", "typical")
@@ -174,16 +238,17 @@ class TreeDecoder:
     def __init__(
         self,
         model: Transformer,
-        heads: DraftHeads,
+        heads: Drafter,
         trees: Sequence[TreeBuffers],
         acceptance: Acceptance | dict = "exact",
     ) -> None:
+        """`heads`: a `Drafter` (Medusa/Hydra heads or an EAGLE-3 drafter)."""
         if not trees:
             raise ValueError("TreeDecoder needs at least one tree")
         acceptance = make_acceptance(acceptance)
         max_depth = max(len(t.depth_slices) for t in trees)
-        if max_depth > heads.config.num_heads:
-            raise ValueError(f"a tree has depth {max_depth} but the heads draft only {heads.config.num_heads} tokens")
+        if max_depth > heads.max_depth:
+            raise ValueError(f"a tree has depth {max_depth} but the heads draft only {heads.max_depth} tokens")
         self.model = model
         self.heads = heads
         self.trees = [t.to(model.device) for t in trees]  # buffers live where the model computes
@@ -192,6 +257,25 @@ class TreeDecoder:
         # positions 0..max depth: the offsets of an accepted path's slots after compaction
         self._offsets = torch.arange(max(t.depth for t in self.trees) + 1, device=model.device)
         heads.bind(model)
+
+    @contextmanager
+    def _features(self) -> Iterator[None]:
+        """The drafter's aux features captured by every forward of a decode (none for heads),
+        the model's own setting restored afterwards."""
+        ids = tuple(self.heads.aux_layer_ids)
+        if not ids:
+            yield
+            return
+        before = self.model.aux_layer_ids
+        self.model.capture_aux(ids)
+        try:
+            yield
+        finally:
+            self.model.capture_aux(before)
+
+    def _aux(self) -> torch.Tensor | None:
+        """The last forward's aux features (None unless the drafter reads them)."""
+        return self.model.aux_features if self.heads.aux_layer_ids else None
 
     # ----------------------------------------------------------------------------------------
     def _accept(self, buf: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor,
@@ -257,13 +341,14 @@ class TreeDecoder:
         seq = self._open(input_ids, max_new_tokens, choose, eos_ids, stream, sampler)
         self.model.reset_cache()
         self.heads.reset()
-        self._prefill(seq)
-        t_dec = time.perf_counter()
-        while not seq.done:
-            buf, tokens, start = self._draft(seq)
-            logits, hidden = self.model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False,
-                                        ancestors=buf.ancestor_lists)
-            self._finish(seq, logits[0], hidden[0])
+        with self._features():
+            self._prefill(seq)
+            t_dec = time.perf_counter()
+            while not seq.done:
+                buf, tokens, start = self._draft(seq)
+                logits, hidden = self.model(tokens[None], start + buf.depths, buf.attn_mask, check_mask=False,
+                                            ancestors=buf.ancestor_lists)
+                self._finish(seq, logits[0], hidden[0], self._aux())
         seq.result.decode_seconds = clock(self.model.device) - t_dec
         return seq.result
 
@@ -304,6 +389,15 @@ class TreeDecoder:
         model, heads = self.model, self.heads
         seqs = [self._open(p, m, c, eos_ids, None, sampler) for p, m, c in zip(prompts, limits, chooses)]
         own, own_heads = model.cache, heads.save_state()
+        with self._features():
+            self._decode_batch(seqs, batch_policy, on_step, own, own_heads)
+        return [s.result for s in seqs]
+
+    def _decode_batch(self, seqs: list[_Sequence], batch_policy: BatchScheduler | None,
+                      on_step: Callable[[], None] | None, own: KVCache | None, own_heads: Any) -> None:
+        """`generate_batch`'s loop over the opened sequences; restores the model's cache `own` and
+        the drafter's state `own_heads` at the end."""
+        model, heads = self.model, self.heads
         try:
             for seq in seqs:
                 seq.cache = model.new_cache(min(model.max_seq_len, len(seq.input_ids) + seq.max_new_tokens + (
@@ -332,9 +426,11 @@ class TreeDecoder:
                     self._draft_together(group)
                 outs = model.forward_batch([BatchItem(seq.cache, seq.drafted, seq.start + seq.buf.depths,
                                                       seq.buf.ancestor_lists) for seq in live])
-                for seq, (logits, hidden) in zip(live, outs):
+                aux = self._aux()   # the items' rows one after the other
+                feats = aux.split([seq.buf.num_nodes for seq in live]) if aux is not None else [None] * len(live)
+                for seq, (logits, hidden), features in zip(live, outs, feats):
                     self._enter(seq)
-                    self._finish(seq, logits, hidden)
+                    self._finish(seq, logits, hidden, features)
                     self._leave(seq)
                     if seq.done:
                         seq.result.decode_seconds = clock(model.device) - t_dec
@@ -345,7 +441,6 @@ class TreeDecoder:
             if own is not None:
                 model.use_cache(own)
             heads.load_state(own_heads)
-        return [s.result for s in seqs]
 
     # -- one sequence's decode, in phases that `generate` and `generate_batch` share ---------------
 
@@ -361,7 +456,7 @@ class TreeDecoder:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if isinstance(choose, DynamicPolicy):
-            choose.prepare(self.model.device, self.heads.config.num_heads)
+            choose.prepare(self.model.device, self.heads.max_depth)
             if choose.depth >= len(self._offsets):   # slots of an accepted path after compaction
                 self._offsets = torch.arange(choose.depth + 1, device=self.model.device)
         self.check_fits(len(input_ids), max_new_tokens,
@@ -406,9 +501,13 @@ class TreeDecoder:
         ids = torch.tensor([seq.input_ids], dtype=torch.long, device=dev)
         prompt_pos = torch.arange(ids.shape[1], device=dev)
         logits, hidden = model(ids, prompt_pos, last_only=True)
-        seq.h = heads.observe(hidden, prompt_pos)
         last = logits[0, -1]
-        seq.root = int(seq.sampler.next_tokens(last[None], RowPositions(0, self._offsets[:1], 1))[0])
+        root = seq.sampler.next_tokens(last[None], RowPositions(0, self._offsets[:1], 1))
+        features = self._aux()
+        # the prompt's positions (with their features: each one's next token, the last one's the root)
+        seq.h = heads.observe(hidden, prompt_pos) if features is None else \
+            heads.observe(hidden, prompt_pos, torch.cat([ids[0, 1:], root]), features)
+        seq.root = int(root[0])
         if seq.reads_logits:
             seq.p0, seq.entropy = _top1_and_entropy(last)
         seq.result.tokens.append(seq.root)
@@ -463,13 +562,16 @@ class TreeDecoder:
             seq.drafted = self.heads.propose(seq.h, seq.root, seq.buf)
             return
         h = torch.cat([seq.h.reshape(1, -1) for seq in group])
-        drafted = self.heads.propose_batch(h, [seq.root for seq in group], group[0].buf)
+        drafted = self.heads.propose_batch(h, [seq.root for seq in group], group[0].buf,
+                                           [seq.heads_state for seq in group])
         for seq, tokens in zip(group, drafted):
             seq.drafted = tokens
 
-    def _finish(self, seq: _Sequence, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+    def _finish(self, seq: _Sequence, logits: torch.Tensor, hidden: torch.Tensor,
+                features: torch.Tensor | None = None) -> None:
         """Accept, compact the cache, observe the accepted positions and emit, from the verify
-        forward's logits [N, V] and hidden states [N, dim] of the tree drafted by `_draft`."""
+        forward's logits [N, V], hidden states [N, dim] and (for a drafter that reads them) aux
+        features [N, k*dim] of the tree drafted by `_draft`."""
         model, heads = self.model, self.heads
         buf, start, k = seq.buf, seq.start, seq.tree
         tokens = seq.drafted
@@ -484,7 +586,15 @@ class TreeDecoder:
         host = torch.cat([x.to(torch.float64) for x in parts]).tolist()
         accepted = int(host[0])
         model.truncate_cache(start + accepted + 1)
-        seq.h = heads.observe(hidden[None, path[: accepted + 1]], start + self._offsets[: accepted + 1])
+        rows = path[: accepted + 1]
+        if features is None:   # heads: the hidden states are all they read
+            seq.h = heads.observe(hidden[None, rows], start + self._offsets[: accepted + 1])
+        else:
+            # the accepted positions' features, each with its next token: the accepted drafts, then
+            # the bonus (the next root)
+            next_tokens = torch.cat([tokens.index_select(0, path[1: accepted + 1]), bonus])
+            seq.h = heads.observe(hidden[None, rows], start + self._offsets[: accepted + 1], next_tokens,
+                                  features.index_select(0, rows))
         emitted = [int(t) for t in host[1: 1 + accepted]] + [int(host[1 + buf.depth])]
         # stop at EOS / the token budget, mid-step if need be
         room = seq.max_new_tokens - len(seq.result.tokens)
@@ -518,7 +628,7 @@ class _Sequence:
     sampler: Sampler
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
     cache: KVCache | None = None              # its KV cache (a batch's own; `generate` uses the model's)
-    heads_state: tuple | None = None          # its heads' decoding state (`DraftHeads.save_state`)
+    heads_state: Any = None                   # its drafter's decoding state (`Drafter.save_state`)
     h: torch.Tensor | None = None             # context vector of the last committed position
     root: int = -1                            # last emitted token, not yet in the cache
     p0: float = math.nan
@@ -576,17 +686,7 @@ def _top1_and_entropy(logits: torch.Tensor) -> tuple[float, float]:
     return _p0_and_entropy(s, d)
 
 
-def greedy_chain_top1(heads: DraftHeads, h: torch.Tensor, root: int) -> list[float]:
-    """p_1..p_D: each head's top-1 probability along the heads' own greedy chain from `root`
-    (the chain's tokens stay on the device; the D probabilities come back in one transfer)."""
-    D = heads.config.num_heads
-    h = h.reshape(1, -1)
-    tokens = torch.full((1, D), int(root), dtype=torch.long, device=h.device)
-    probs = torch.empty(D, dtype=torch.float32, device=h.device)
-    for d in range(1, D + 1):
-        states = heads.head_states(h, tokens, heads=d)[:, -1:]          # head d only
-        top = torch.softmax(heads.output_logits(states, first_head=d)[0, 0].float(), -1).max(-1)
-        probs[d - 1] = top.values
-        if d < D:
-            tokens[0, d] = top.indices if heads.draft_ids is None else heads.draft_ids[top.indices]
-    return probs.tolist()
+def greedy_chain_top1(heads: Drafter, h: torch.Tensor, root: int) -> list[float]:
+    """p_1..p_D: the drafter's top-1 probability at each depth along its own greedy chain from
+    `root` (`Drafter.greedy_top1`: D = `max_depth`; the D probabilities come back in one transfer)."""
+    return heads.greedy_top1(h, root)

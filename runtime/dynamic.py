@@ -320,9 +320,9 @@ class DynamicPolicy:
         return self._lookup(int((self._bits * keep).sum()), lambda: keep.nonzero().flatten())
 
     def draft(self, heads: Any, h: torch.Tensor, root: int) -> tuple[TreeBuffers, torch.Tensor, int]:
-        """One step's tree: draft S with `heads` (a `DraftHeads`) from context vector h after token
-        `root` and choose its subset, as `select` does; (the subset's buffers, its tokens [n], the
-        depth S was drafted to).
+        """One step's tree: draft S with `heads` (a `runtime.decoder.Drafter`: heads or an EAGLE-3
+        drafter) from context vector h after token `root` and choose its subset, as `select` does;
+        (the subset's buffers, its tokens [n], the depth S was drafted to).
 
         The subset's bitmask is the sum of its nodes' bits, taken along the ranking; reading it
         is the step's one host synchronisation here (with `stop_below`, one more per depth drafted

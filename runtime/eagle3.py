@@ -40,6 +40,14 @@ rank at depth d + 1) gives its children by rank. One layer forward per depth, no
 synchronisation, indices precomputed in `runtime.tree.TreeBuffers`; the output is target token
 ids per node in `TreeBuffers` order, exactly as `runtime.heads.DraftHeads.propose` returns them.
 
+In the decoder (`runtime.decoder.TreeDecoder`, its `Drafter` protocol): the target model hands
+over the features from the forward that verifies (`Transformer.capture_aux`, on every forward
+path), and `observe(hidden, positions, next_tokens, features)` is the `extend` above; `propose`,
+`propose_scored` (EntMTP-dyn) and `propose_batch` draft (a batch's sequences together: the draft
+layer's products over all their rows, the attention over each one's own cache); `greedy_top1`
+serves the signals that read the drafter. The pipeline's rollout reads rank paths along the true continuation from one
+pass over the whole sequence (`rank_paths`, `rollout_arrays`).
+
 Which target hidden states (`aux_layer_ids`): id i names the residual stream ENTERING decoder
 layer i (0-based): the token embeddings for i = 0, the output of layer i - 1 otherwise, i.e.
 Hugging Face's `output_hidden_states[i]`. This is vLLM's convention for
@@ -57,7 +65,6 @@ Only torch, safetensors and the runtime are imported here (the runtime's depende
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,14 +75,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.config import DTYPES, ModelArgs, _read_rope
+from runtime.config import ModelArgs, _read_rope
 from runtime.device import torch_dtype
-from runtime.io import atomic_write_bytes
-from runtime.model.llama import FeedForward, Linear, RMSNorm, Transformer
+from runtime.io import check_config_keys, read_weights_config, save_weights_folder
+from runtime.model.llama import (
+    FeedForward,
+    Linear,
+    RMSNorm,
+    Transformer,
+    qkv_into_cache,
+)
 from runtime.model.rope import apply_rope, rope_inv_freq
 from runtime.tree import Tree, TreeBuffers
 
 FORMAT = "entmtp-eagle3"
+# the deepest tree a drafter drafts unless told otherwise (`Eagle3Drafter.max_depth`): the depth of
+# the greedy chain the drafter-reading signals score and of the rollout's rank paths
+DEFAULT_MAX_DEPTH = 8
+# drafter cache rows past the target's (`Eagle3Drafter.bind`): the scratch rows of a greedy chain
+# (`greedy_top1`, up to this deep) at the end of a decode that fills the target's cache
+SCRATCH_ROOM = 64
+# query rows per draft-layer call in `rank_paths` (bounds the attention scores' memory on long sequences)
+RANK_CHUNK = 256
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "drafter.safetensors"
@@ -204,15 +225,10 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise Eagle3Error(f"unknown EAGLE-3 drafter config keys {unknown}; known keys: {sorted(fields)}")
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        missing = [k for k in required if k not in d]
-        if missing:
-            raise Eagle3Error(f"EAGLE-3 drafter config lacks required keys {missing}")
+        try:
+            check_config_keys(cls, d, "EAGLE-3 drafter config")
+        except ValueError as e:
+            raise Eagle3Error(str(e)) from e
         d = dict(d)
         if isinstance(d["aux_layer_ids"], list):
             d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
@@ -244,15 +260,32 @@ class Eagle3Attention(nn.Module):
         head_dim]; mask [n, start+n] bool (True = may attend) or None (every slot up to start+n)."""
         n = x.shape[0]
         h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x).view(n, h + 2 * kvh, hd)
-        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
         end = start + n
-        kv[0, :, start:end] = qk[:, h:].transpose(0, 1)
-        kv[1, :, start:end] = qkv[:, h + kvh:].transpose(0, 1)
-        q = qk[:, :h].transpose(0, 1)[None]                                   # [1, h, n, hd]
+        q = qkv_into_cache(self.wqkv, x, cos, sin, kv, start, h, kvh, hd).transpose(0, 1)[None]  # [1, h, n, hd]
         out = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask,
                                              enable_gqa=h != kvh)
         return self.wo(out[0].transpose(0, 1).reshape(n, h * hd))
+
+    def forward_many(self, x: Tensor, cos: Tensor, sin: Tensor, kvs: Sequence[Tensor], starts: Sequence[int],
+                     masks: Sequence[Tensor]) -> Tensor:
+        """`forward` for the rows of B sequences at once, x [B*u, 2*dim] (sequence i's u rows
+        together): the products run over all rows; sequence i writes its rows' K/V at slots
+        starts[i].. of its own cache kvs[i] and attends over it with masks[i] [u, starts[i]+u]."""
+        rows, b = x.shape[0], len(kvs)
+        u = rows // b
+        h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x).view(rows, h + 2 * kvh, hd)
+        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
+        out = qk.new_empty(rows, h, hd)
+        for i, (kv, start, mask) in enumerate(zip(kvs, starts, masks)):
+            a, end = i * u, start + u
+            kv[0, :, start:end] = qk[a:a + u, h:].transpose(0, 1)
+            kv[1, :, start:end] = qkv[a:a + u, h + kvh:].transpose(0, 1)
+            q = qk[a:a + u, :h].transpose(0, 1)[None]
+            att = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask,
+                                                 enable_gqa=h != kvh)
+            out[a:a + u] = att[0].transpose(0, 1)
+        return self.wo(out.reshape(rows, h * hd))
 
 
 class Eagle3Layer(nn.Module):
@@ -273,6 +306,15 @@ class Eagle3Layer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
         x = residual + self.attention(x, cos, sin, kv, start, mask)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
+
+    def forward_many(self, emb: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, kvs: Sequence[Tensor],
+                     starts: Sequence[int], masks: Sequence[Tensor]) -> Tensor:
+        """`forward` for the rows of B sequences, each over its own cache (`Eagle3Attention.forward_many`)."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+        x = residual + self.attention.forward_many(x, cos, sin, kvs, starts, masks)
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
@@ -316,6 +358,9 @@ class Eagle3Drafter(nn.Module):
         self._embed: _Embedding | None = None
         self._inv_freq: Tensor | None = None  # float32 RoPE frequencies, a plain attribute (never cast)
         self.state: Eagle3State | None = None
+        # the deepest tree it drafts for a decoder (any depth works; see DEFAULT_MAX_DEPTH)
+        self.max_depth = DEFAULT_MAX_DEPTH
+        self._chains: dict[tuple[int, str], TreeBuffers] = {}
 
     # -- target, vocabulary and state ---------------------------------------------------------
 
@@ -333,10 +378,12 @@ class Eagle3Drafter(nn.Module):
 
     def bind(self, model: Transformer, capacity: int | None = None) -> None:
         """Use `model`'s token embeddings (checking that this drafter fits it) and set up an empty
-        cache of `capacity` rows (default: the model's max_seq_len)."""
+        cache of `capacity` rows (default: the model's max_seq_len plus SCRATCH_ROOM rows, so that
+        a decode that fills the model's cache still has room to draft a greedy chain: its trees'
+        rows are within the model's own room, `TreeDecoder.check_fits`)."""
         self.config.check_target(model.args)
         self._embed = _Embedding(model.tok_embeddings)
-        slots = capacity or getattr(model, "max_seq_len", 0) or model.args.max_position_embeddings
+        slots = capacity or (getattr(model, "max_seq_len", 0) or model.args.max_position_embeddings) + SCRATCH_ROOM
         self.setup_cache(int(slots))
 
     def add_fast_paths(self) -> None:
@@ -478,6 +525,64 @@ class Eagle3Drafter(nn.Module):
         s.length = start + n
         return out if return_all else out[-1:]
 
+    # -- the decoder's drafter protocol (runtime.decoder.Drafter) ---------------------------------
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose inputs this drafter reads (`Transformer.capture_aux`)."""
+        return self.config.aux_layer_ids
+
+    def observe(self, hidden: Tensor, positions: Tensor, next_tokens: Tensor | None = None,
+                features: Tensor | None = None) -> Tensor:
+        """The decoder's call after its prefill and after each step: commit the target positions
+        `positions` [n] (the prompt, or a step's root and accepted drafts) from the target's
+        `features` [n, k*hidden] of those positions (read from the verify forward) paired with
+        `next_tokens` [n], the tokens at the next positions (the accepted drafts and the next
+        root): `extend(features, next_tokens, positions)`. `hidden` (the target's final states) is
+        not read. Returns the draft state g [1, hidden] that drafts below the next root."""
+        if features is None or next_tokens is None:
+            raise Eagle3Error("an EAGLE-3 drafter observes the target's features and the next tokens: turn the "
+                              "features on with model.capture_aux(drafter.aux_layer_ids) (TreeDecoder does)")
+        return self.extend(features, next_tokens.reshape(-1), positions)
+
+    @torch.no_grad()
+    def propose_batch(self, h: Tensor, root_tokens: Tensor | Sequence[int], buffers: TreeBuffers,
+                      states: Sequence[Eagle3State | None] | None = None) -> Tensor:
+        """`propose` for B sequences drafting one tree: draft states h [B, hidden] (each one's
+        `observe` result), roots [B] and each sequence's state (`save_state`) give tokens [B, N].
+        One draft-layer call per depth for all B sequences: its products (and the lm_head's) run
+        over every sequence's rows together, so the weights are read once per depth; only the
+        attention runs per sequence, each over its own cache. The current state stays loaded."""
+        if h.dim() != 2 or h.shape[1] != self.config.hidden_size:
+            raise Eagle3Error(f"h must be [B, {self.config.hidden_size}], got {tuple(h.shape)}")
+        b = h.shape[0]
+        if states is None:
+            if b != 1:
+                raise Eagle3Error("propose_batch of an EAGLE-3 drafter needs each sequence's state (save_state()): "
+                                  "the sequences draft over their own caches")
+            states = [self.state]
+        if len(states) != b:
+            raise Eagle3Error(f"{b} draft states h but {len(states)} sequence states")
+        roots = torch.as_tensor(root_tokens, dtype=torch.long).reshape(-1).to(self.device)
+        if roots.shape != (b,):
+            raise Eagle3Error(f"{b} draft states h but root tokens of shape {tuple(roots.shape)}")
+        if any(not isinstance(state, Eagle3State) for state in states):
+            raise Eagle3Error("propose_batch takes each sequence's Eagle3State (save_state())")
+        return self._draft(h, roots, self._as_buffers(buffers), None, None, list(states))
+
+    def greedy_top1(self, h: Tensor, root: int | Tensor, depth: int | None = None) -> list[float]:
+        """p_1..p_D (D = `depth`, default `max_depth`): the top-1 draft probability at each depth
+        of the drafter's own greedy chain below `root` (what the signals that read the drafter see;
+        `DraftHeads.greedy_top1` for heads). One host transfer."""
+        _, prob = self.propose_scored(h, root, self._chain(depth or self.max_depth))
+        return prob[1:].tolist()
+
+    def _chain(self, depth: int) -> TreeBuffers:
+        key = (depth, str(self.device))
+        if key not in self._chains:
+            self._chains[key] = TreeBuffers.compile(Tree([(0,) * d for d in range(1, depth + 1)])).to(self.device)
+        return self._chains[key]
+
     # -- drafting ---------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -487,7 +592,7 @@ class Eagle3Drafter(nn.Module):
         for the last committed row; a depth-d node takes the ranks[node]-th most likely draft id
         at its parent's state, mapped by d2t. `buffers`: compiled TreeBuffers on the drafter's
         device (the fast path), or a Tree / list of rank paths (compiled on every call)."""
-        return self._draft(h_last, root_token, self._as_buffers(buffers), None)
+        return self._draft(h_last, root_token, self._as_buffers(buffers), None)[0]
 
     def propose(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers) -> Tensor:
         """`propose_tree` under `DraftHeads.propose`'s name, so a decoder can call either."""
@@ -504,7 +609,7 @@ class Eagle3Drafter(nn.Module):
         `DraftHeads.propose_scored`."""
         buf = self._as_buffers(buffers)
         node_prob = torch.ones(buf.num_nodes, dtype=torch.float32, device=self.device)
-        tokens = self._draft(h_last, root_token, buf, node_prob, stop_after)
+        tokens = self._draft(h_last, root_token, buf, node_prob, stop_after)[0]
         return tokens, node_prob
 
     def _as_buffers(self, buffers: TreeBuffers | Tree | Sequence) -> TreeBuffers:
@@ -514,42 +619,52 @@ class Eagle3Drafter(nn.Module):
         return TreeBuffers.compile(tree).to(self.device)
 
     def _draft(self, h_last: Tensor, root_token: int | Tensor, buf: TreeBuffers, node_prob: Tensor | None,
-               stop_after: Callable[[int, Tensor], bool] | None = None) -> Tensor:
-        c, s = self.config, self._state()
+               stop_after: Callable[[int, Tensor], bool] | None = None,
+               states: list[Eagle3State] | None = None) -> Tensor:
+        """The drafting behind the `propose*` methods, for B sequences drafting one tree: h_last
+        [B, hidden] (or [hidden] for one), roots (an int or [B]), `states` each sequence's (default:
+        the current one) give tokens [B, N]; node_prob [N] (B = 1) is filled when given."""
+        c = self.config
+        states = [self._state()] if states is None else states
+        b = len(states)
         if buf.depths.device != self.device:
             raise Eagle3Error(f"the tree buffers live on {buf.depths.device} but the drafter on {self.device}: move "
                               "them with buffers.to(device) once, not per step")
-        if h_last.numel() != c.hidden_size:
-            raise Eagle3Error(f"h_last must be one draft state [1, {c.hidden_size}], got {tuple(h_last.shape)}")
-        g = h_last.reshape(1, c.hidden_size)
-        tokens = torch.empty(buf.num_nodes, dtype=torch.long, device=self.device)
-        tokens[0] = root_token
+        if h_last.numel() != b * c.hidden_size:
+            raise Eagle3Error(f"h_last must be {b} draft state(s) [{b}, {c.hidden_size}], got {tuple(h_last.shape)}")
+        tokens = torch.empty(b, buf.num_nodes, dtype=torch.long, device=self.device)
+        tokens[:, 0] = root_token
         depth = buf.depth
         if depth == 0:
             return tokens
         if max(buf.topk) > c.draft_vocab_size:
             raise Eagle3Error(f"the tree asks for rank {max(buf.topk) - 1} but the draft vocabulary has "
                               f"{c.draft_vocab_size} ids")
-        committed = s.length
-        if committed == 0:
-            raise Eagle3Error("the drafter has no committed row: extend() it with the prompt's features first")
         scratch = sum(int(buf.unique_parents[d].numel()) for d in range(1, depth))
-        if committed + scratch > s.capacity:
-            raise Eagle3Error(f"drafting this tree needs {scratch} scratch rows after the {committed} committed ones, "
-                              f"but the drafter cache holds {s.capacity}")
+        for s in states:
+            if s.kv.dtype != self.dtype or s.kv.device != self.device:   # moved or cast after bind()
+                s.kv = s.kv.to(device=self.device, dtype=self.dtype)
+            if s.length == 0:
+                raise Eagle3Error("the drafter has no committed row: extend() it with the prompt's features first")
+            if s.length + scratch > s.capacity:
+                raise Eagle3Error(f"drafting this tree needs {scratch} scratch rows after the {s.length} committed "
+                                  f"ones, but the drafter cache holds {s.capacity}")
+        committed = [s.length for s in states]
+        last = torch.tensor(committed, device=self.device) - 1                  # each one's last committed position
         ranks = buf.ranks
-        # cache slot of each drafted node that ran the layer (those with children), -1 otherwise
+        # scratch slot (after the committed rows) of each drafted node that ran the layer, -1 otherwise
         slot_of = torch.full((buf.num_nodes,), -1, dtype=torch.long, device=self.device)
-        states = g.to(self.dtype)                     # draft states of the parents at depth d-1 with children
+        states_g = h_last.reshape(b, c.hidden_size).to(self.dtype)   # draft states of the depth d-1 parents [B*u, H]
+        u = 1
         written = 0
         for d, (start, end) in enumerate(buf.depth_slices, start=1):
-            logits = self.logits(states)                                          # [u_{d-1}, V_d]
-            top = logits.topk(buf.topk[d - 1], dim=-1).indices
+            logits = self.logits(states_g)                                        # [B*u_{d-1}, V_d]
+            top = logits.topk(buf.topk[d - 1], dim=-1).indices.view(b, u, -1)
             inverse = buf.parent_inverse[d - 1]
-            picked = top[inverse, ranks[start:end]]                               # draft ids [n_d]
-            tokens[start:end] = picked + self.d2t[picked]
+            picked = top[:, inverse, ranks[start:end]]                            # draft ids [B, n_d]
+            tokens[:, start:end] = picked + self.d2t[picked]
             if node_prob is not None:
-                node_prob[start:end] = torch.softmax(logits, dim=-1)[inverse, picked]
+                node_prob[start:end] = torch.softmax(logits, dim=-1)[inverse, picked[0]]
             if d == depth:
                 break
             if stop_after is not None and node_prob is not None and stop_after(d, node_prob):
@@ -558,18 +673,149 @@ class Eagle3Drafter(nn.Module):
             # the frontier: depth-d nodes with children, one row each, fed (their parent's state, their token)
             frontier = buf.unique_parents[d]                                      # offsets within depth d
             nodes = frontier + start
-            u = int(frontier.numel())
-            at = committed + written
-            slot_of[nodes] = torch.arange(at, at + u, device=self.device)
-            mask = torch.zeros(u, at + u, dtype=torch.bool, device=self.device)
-            mask[:, :committed] = True
-            mask.scatter_(1, slot_of[buf.node_paths[nodes, 1:d + 1]], True)        # its drafted ancestors and itself
-            positions = torch.full((u,), committed - 1 + d, dtype=torch.long, device=self.device)
+            width = int(frontier.numel())
+            slot_of[nodes] = torch.arange(written, written + width, device=self.device)
+            # its drafted ancestors and itself, among the scratch rows
+            own = torch.zeros(width, written + width, dtype=torch.bool, device=self.device)
+            own.scatter_(1, slot_of[buf.node_paths[nodes, 1:d + 1]], True)
+            parents = inverse.index_select(0, frontier)
+            parent_states = states_g.view(b, u, -1).index_select(1, parents).reshape(b * width, -1)
+            emb = self.embed(tokens[:, nodes].reshape(-1))
+            masks = [torch.cat([own.new_ones(width, k), own], dim=1) for k in committed]   # every committed row too
+            positions = last.repeat_interleave(width) + d
             cos, sin = self._rope(positions)
-            parent_states = states.index_select(0, inverse.index_select(0, frontier))
-            states = self.layer(self.embed(tokens[nodes]), parent_states, cos, sin, s.kv, at, mask)
-            written += u
+            if b == 1:
+                states_g = self.layer(emb, parent_states, cos, sin, states[0].kv, committed[0] + written, masks[0])
+            else:
+                states_g = self.layer.forward_many(emb, parent_states, cos, sin, [s.kv for s in states],
+                                                   [k + written for k in committed], masks)
+            written += width
+            u = width
         return tokens
+
+    # -- rank paths along a known continuation (the pipeline's rollout) -------------------------
+
+    @torch.no_grad()
+    def rank_paths(self, features: Tensor, next_tokens: Tensor, depth: int | None = None, first: int = 0,
+                   rank_cap: int | None = None, greedy: bool = False) -> tuple[Tensor, Tensor]:
+        """For a whole sequence x_0..x_n of which the target gave `features` [n, k*hidden] of
+        positions 0..n-1, with `next_tokens` [n] = x_1..x_n (each position's next token, as
+        `extend` takes them): for every position t = first..n-1 (the last committed position of a
+        decoding step whose root is x_{t+1}) and depth d = 1..D (D = `depth`, default `max_depth`),
+        (ranks [m, D] int64, top1 [m, D] float32), m = n - first:
+
+        * ranks[t - first, d-1]: the rank of the true token x_{t+1+d} among the depth-d candidates
+          below the true path x_{t+1}, ..., x_{t+d}, exactly as `propose` ranks a node's children
+          (the number of draft ids with a larger logit); the draft vocabulary's size V_d where the
+          token is not in it (never drafted); -1 where t + 1 + d > n (past the sequence). With
+          `rank_cap`: clamped to it, and rank_cap past the sequence (the rollout's convention);
+        * top1[t - first, d-1]: the top-1 draft probability at that node (`propose_scored`'s
+          probability of its rank-0 child).
+
+        The drafter's own cache is left alone: the committed rows (fc(f_s), x_{s+1}) at positions
+        s are built causally from scratch, then one draft-layer pass per depth over all positions
+        at once: position t's depth-d row reads (its depth-d draft state, x_{t+1+d}) at position
+        t + d and attends to the committed rows 0..t and its own chain (its depth-1..d rows), as a
+        drafted tree node attends to the cache and its ancestors. With `greedy`, each position's
+        chain follows the drafter's own top-1 tokens instead of the true ones (top1 is then what a
+        decoder sees before verifying; ranks still compare against the true tokens)."""
+        kv, g = self._sequence_rows(features, next_tokens, depth, first)
+        return self._chain_ranks(kv, g, next_tokens, depth or self.max_depth, first, rank_cap, greedy)
+
+    @torch.no_grad()
+    def rollout_arrays(self, features: Tensor, next_tokens: Tensor, first: int, depth: int,
+                       rank_cap: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The rollout's drafter arrays from one committed pass (`pipeline.rollout.record`): (rank
+        paths [m, D] along the true path, clamped to rank_cap and rank_cap past the sequence; the
+        top-1 probabilities along the true path [m, D]; those along the drafter's own greedy chain
+        [m, D]), for positions first..n-1 (see `rank_paths`)."""
+        kv, g = self._sequence_rows(features, next_tokens, depth, first)
+        ranks, head_top1 = self._chain_ranks(kv, g, next_tokens, depth, first, rank_cap, False)
+        _, greedy_top1 = self._chain_ranks(kv, g, next_tokens, depth, first, rank_cap, True)
+        return ranks, head_top1, greedy_top1
+
+    def _sequence_rows(self, features: Tensor, next_tokens: Tensor, depth: int | None,
+                       first: int) -> tuple[Tensor, Tensor]:
+        """A scratch cache [2, kv_heads, n + (D-1)*m, head_dim] holding every committed row of the
+        sequence (slots 0..n-1, room for the chains after them), and the committed rows' draft
+        states g [m, hidden] at positions first..n-1."""
+        c = self.config
+        if features.dim() != 2 or features.shape[1] != c.feature_size or features.shape[0] == 0:
+            raise Eagle3Error(f"features must be [n >= 1, {c.feature_size}], got {tuple(features.shape)}")
+        n = features.shape[0]
+        if next_tokens.shape != (n,):
+            raise Eagle3Error(f"next_tokens must be [n={n}] (x_1..x_n), got {tuple(next_tokens.shape)}")
+        d = depth or self.max_depth
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise Eagle3Error(f"depth must be an int >= 1, got {depth!r}")
+        if not 0 <= first < n:
+            raise Eagle3Error(f"first must lie in [0, {n}), got {first}")
+        m, dev = n - first, self.device
+        kv = torch.zeros(2, c.num_kv_heads, n + (d - 1) * m, c.head_dim, dtype=self.dtype, device=dev)
+        x = self.fc(features.to(device=dev, dtype=self.dtype))
+        emb = self.embed(next_tokens)
+        positions = torch.arange(n, device=dev)
+        states = []
+        for r0 in range(0, n, RANK_CHUNK):   # causal, a chunk of rows at a time (as `extend` in pieces)
+            r1 = min(n, r0 + RANK_CHUNK)
+            cos, sin = self._rope(positions[r0:r1])
+            mask = torch.ones(r1 - r0, r1, dtype=torch.bool, device=dev).tril_(r0)
+            out = self.layer(emb[r0:r1], x[r0:r1], cos, sin, kv, r0, mask)
+            if r1 > first:
+                states.append(out[max(first - r0, 0):])
+        return kv, torch.cat(states)
+
+    def _chain_ranks(self, kv: Tensor, g: Tensor, next_tokens: Tensor, depth: int, first: int,
+                     rank_cap: int | None, greedy: bool) -> tuple[Tensor, Tensor]:
+        """`rank_paths` from `_sequence_rows`' cache and draft states (the chains' slots are
+        overwritten)."""
+        c, dev = self.config, self.device
+        m = g.shape[0]
+        n = first + m
+        nxt = next_tokens.to(dev)
+        t = torch.arange(first, n, device=dev)
+        rows = torch.arange(m, device=dev)
+        draft_of = torch.full((c.vocab_size,), -1, dtype=torch.long, device=dev)
+        draft_of[self.target_ids().to(dev)] = torch.arange(c.draft_vocab_size, device=dev)
+        ranks = torch.empty(m, depth, dtype=torch.long, device=dev)
+        top1 = torch.empty(m, depth, dtype=torch.float32, device=dev)
+        committed = torch.arange(n, device=dev)[None, :] <= t[:, None]       # [m, n]: slots 0..t
+        for d in range(1, depth + 1):
+            logits = self.logits(g)                                             # [m, V_d]
+            probs = torch.softmax(logits, dim=-1)
+            top1[:, d - 1] = probs.max(dim=-1).values
+            inside = t + d < n                                                  # x_{t+1+d} exists
+            true = nxt[(t + d).clamp(max=n - 1)]
+            did = draft_of[true]
+            mine = logits.gather(1, did.clamp(min=0)[:, None])
+            rank = torch.where(did < 0, c.draft_vocab_size, (logits > mine).sum(dim=-1))
+            ranks[:, d - 1] = torch.where(inside, rank, -1)
+            if d == depth:
+                break
+            # the depth-d node's row: (g, its token) at position t + d, in slots n + (d-1)*m + row
+            if greedy:
+                top = logits.argmax(dim=-1)
+                token = top + self.d2t[top]
+            else:
+                token = true
+            emb = self.embed(token)
+            slot = n + (d - 1) * m
+            positions = t + d
+            out = []
+            for r0 in range(0, m, RANK_CHUNK):
+                r1 = min(m, r0 + RANK_CHUNK)
+                k, start = r1 - r0, slot + r0
+                local = rows[: k]
+                mask = torch.zeros(k, start + k, dtype=torch.bool, device=dev)
+                mask[:, :n] = committed[r0:r1]
+                for j in range(1, d + 1):   # its rows at depths 1..d-1 and itself
+                    mask[local, n + (j - 1) * m + r0 + local] = True
+                cos, sin = self._rope(positions[r0:r1])
+                out.append(self.layer(emb[r0:r1], g[r0:r1], cos, sin, kv, start, mask))
+            g = torch.cat(out)
+        if rank_cap is not None:
+            ranks = torch.where(ranks < 0, rank_cap, ranks.clamp(max=rank_cap))
+        return ranks, top1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,35 +826,20 @@ def target_forward(model: Transformer, tokens: Tensor, input_pos: Tensor, aux_la
                    **kwargs: Any) -> tuple[Tensor, Tensor, Tensor]:
     """`model(tokens, input_pos, **kwargs)` that also returns the drafter's features: (logits,
     hidden, features [n, k*dim]), features = the residual streams entering the target's layers
-    `aux_layer_ids` (our convention), concatenated in that order.
-
-    Captured with forward hooks on the layers, so it needs the model's ordinary forward path: the
-    row-invariant and small-row-kernel paths (`set_row_invariance`, CPU float32 after
-    `add_fast_paths`) call the layers' methods directly and are refused here (RuntimeError)."""
-    ids = list(aux_layer_ids)
+    `aux_layer_ids` (our convention), concatenated in that order, read from that same forward
+    (`Transformer.capture_aux`, on any of its paths: plain, row-invariant, small-row kernel). The
+    model's own capture setting is restored afterwards."""
+    ids = tuple(aux_layer_ids)
     if any(not 0 <= i < model.args.n_layers for i in ids):
-        raise Eagle3Error(f"aux_layer_ids {ids}: the target has layers 0..{model.args.n_layers - 1}")
-    captured: dict[int, Tensor] = {}
-    handles = []
-
-    def hook(i: int) -> Callable[..., None]:
-        def save(_module: nn.Module, inputs: tuple) -> None:
-            captured[i] = inputs[0]   # what enters layer i: the embeddings for i = 0
-        return save
-
-    for i in ids:
-        handles.append(model.layers[i].register_forward_pre_hook(hook(i)))
+        raise Eagle3Error(f"aux_layer_ids {list(ids)}: the target has layers 0..{model.args.n_layers - 1}")
+    before = model.aux_layer_ids
+    model.capture_aux(ids)
     try:
         logits, hidden = model(tokens, input_pos, **kwargs)
+        features = model.aux_features
     finally:
-        for handle in handles:
-            handle.remove()
-    missing = [i for i in ids if i not in captured]
-    if missing:
-        raise RuntimeError(f"the target's layers {missing} were not called as modules: this forward took the "
-                           "row-invariant or small-row-kernel path, which the feature hooks cannot see")
-    n = tokens.shape[-1]
-    features = torch.cat([captured[i][:n] for i in ids], dim=-1)
+        model.capture_aux(before)
+    assert features is not None
     return logits, hidden, features
 
 
@@ -637,24 +868,12 @@ def check_vocab_maps(d2t: Tensor, t2d: Tensor, vocab_size: int, draft_vocab_size
 def save_drafter(drafter: Eagle3Drafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write config.json + drafter.safetensors (the drafter's own weights, never the target's
     embeddings), each atomically; `dtype` casts the floating weights."""
-    from safetensors.torch import save
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for k, v in drafter.state_dict().items():
-        v = v.detach()
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        state[k] = v.contiguous().cpu()
-    float_dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
-    if len(float_dtypes) != 1:
-        raise Eagle3Error(f"drafter weights mix dtypes {float_dtypes}; cast the drafter to one dtype before saving")
-    dtype_name = next(k for k in DTYPES if torch_dtype(k) in float_dtypes)
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype_name, **drafter.config.to_dict()}
-    atomic_write_bytes(folder / WEIGHTS_FILE, save(state, metadata={"format": "pt", "entmtp": FORMAT}))
-    atomic_write_bytes(folder / CONFIG_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
-    return folder
+    try:
+        return save_weights_folder(drafter, {"format": FORMAT, "format_version": FORMAT_VERSION,
+                                             **drafter.config.to_dict()},
+                                   folder, WEIGHTS_FILE, CONFIG_FILE, dtype, what="drafter weights")
+    except ValueError as err:
+        raise Eagle3Error(str(err)) from err
 
 
 def read_drafter_config(folder: str | Path) -> tuple[Eagle3Config, str]:
@@ -664,18 +883,10 @@ def read_drafter_config(folder: str | Path) -> tuple[Eagle3Config, str]:
         raise FileNotFoundError(f"{path} not found: an EAGLE-3 drafter folder holds {CONFIG_FILE} + {WEIGHTS_FILE} "
                                 "(published EAGLE-3 / speculators folders load with pipeline.heads.eagle3_import)")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise Eagle3Error(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict) or raw.pop("format", None) != FORMAT:
-        raise Eagle3Error(f"{path} is not an EntMTP EAGLE-3 drafter config (its 'format' is not {FORMAT!r}); "
-                          "published EAGLE-3 / speculators folders load with pipeline.heads.eagle3_import")
-    version = raw.pop("format_version", None)
-    if version != FORMAT_VERSION:
-        raise Eagle3Error(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
-    dtype = raw.pop("dtype", None)
-    if dtype not in DTYPES:
-        raise Eagle3Error(f"{path}: 'dtype' must be one of {list(DTYPES)}, got {dtype!r}")
+        raw, dtype = read_weights_config(path, FORMAT, FORMAT_VERSION, "EAGLE-3 drafter", "published EAGLE-3 / "
+                                         "speculators folders load with pipeline.heads.eagle3_import")
+    except ValueError as e:
+        raise Eagle3Error(str(e)) from e
     try:
         return Eagle3Config.from_dict(raw), dtype
     except (TypeError, ValueError) as e:

@@ -127,8 +127,12 @@ def weights_fingerprint(folder: str | Path) -> str:
 
 
 def heads_fingerprint(folder: str | Path) -> str:
-    """Fingerprint of a heads folder (its weights file)."""
-    f = Path(folder) / "heads.safetensors"
+    """Fingerprint of a heads folder (its weights file: heads.safetensors, or an EAGLE-3
+    drafter's drafter.safetensors)."""
+    folder = Path(folder)
+    f = folder / "heads.safetensors"
+    if not f.is_file() and (folder / "drafter.safetensors").is_file():
+        f = folder / "drafter.safetensors"
     if not f.is_file():
-        raise FileNotFoundError(f"{f} not found: not a heads folder")
+        raise FileNotFoundError(f"{f} not found: not a heads folder (nor an EAGLE-3 drafter's)")
     return files_fingerprint([f])

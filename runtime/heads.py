@@ -33,20 +33,38 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from runtime.device import torch_dtype
-from runtime.io import atomic_write_bytes
 from runtime.config import (  # noqa: F401 - re-exported
-    CONFIG_FILE, DRAFT_DTYPES, DTYPES, FORMAT, FORMAT_VERSION, KINDS, OUTPUTS, WEIGHTS_FILE, HeadsConfig, _args_to_dict,
+    CONFIG_FILE,
+    DRAFT_DTYPES,
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    KINDS,
+    OUTPUTS,
+    WEIGHTS_FILE,
+    HeadsConfig,
+    _args_to_dict,
 )
-from runtime.model.llama import Linear, ModelArgs, RMSNorm, Transformer, TransformerBlock
+from runtime.device import torch_dtype
+from runtime.io import read_weights_config, save_weights_folder
+from runtime.model.llama import (
+    Linear,
+    ModelArgs,
+    RMSNorm,
+    Transformer,
+    TransformerBlock,
+)
 from runtime.model.rope import rope_inv_freq
 from runtime.tree import TreeBuffers
+
+if TYPE_CHECKING:
+    from runtime.eagle3 import Eagle3Drafter
 
 
 
@@ -208,6 +226,17 @@ class DraftHeads(nn.Module):
     def is_bound(self) -> bool:
         return self._base is not None
 
+    @property
+    def max_depth(self) -> int:
+        """The deepest tree the heads draft: one token per head (runtime.decoder's `Drafter`)."""
+        return self.config.num_heads
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """Target layers whose inputs the drafter reads (`Transformer.capture_aux`): none, heads
+        read the final hidden states."""
+        return ()
+
     def add_fast_paths(self) -> None:
         """For inference only (load_heads calls it): every runtime.model.Linear of the heads takes
         the CPU float32 product paths the base model uses (see `Linear`); a no-op elsewhere.
@@ -283,12 +312,15 @@ class DraftHeads(nn.Module):
 
     # -- context vectors -------------------------------------------------------------------------
 
-    def observe(self, hidden: Tensor, input_pos: Tensor) -> Tensor:
+    def observe(self, hidden: Tensor, input_pos: Tensor, next_tokens: Tensor | None = None,
+                features: Tensor | None = None) -> Tensor:
         """Feed the base hidden states [1, n, dim] of n newly committed positions (absolute
         positions input_pos [n]); return the context vector [1, dim] of the last one.
 
         Without a prefix layer this is the last hidden state itself; Hydra++ appends the positions
-        to its prefix layer's cache first."""
+        to its prefix layer's cache first. `next_tokens` (the tokens after those positions) and
+        `features` (the target's aux features) are what an EAGLE-3 drafter observes
+        (runtime.decoder's `Drafter` protocol); heads ignore them."""
         _check_hidden(hidden, input_pos, self.config.hidden_size)
         if self.prefix is None:
             return hidden[:, -1]
@@ -424,11 +456,14 @@ class DraftHeads(nn.Module):
         return self._draft_tree(h.reshape(1, -1), root_token, buffers, None)[0]
 
     @torch.no_grad()
-    def propose_batch(self, h: Tensor, root_tokens: Tensor | Sequence[int], buffers: TreeBuffers) -> Tensor:
+    def propose_batch(self, h: Tensor, root_tokens: Tensor | Sequence[int], buffers: TreeBuffers,
+                      states: Sequence[Any] | None = None) -> Tensor:
         """`propose` for B sequences that draft the same tree: context vectors h [B, dim] and their
         roots [B] give tokens [B, N]. One head product per depth over the B sequences' rows
         together: the heads' weights are read once per level rather than once per sequence, which
-        is most of a level's cost while the rows are few (a batched decode's drafting)."""
+        is most of a level's cost while the rows are few (a batched decode's drafting). `states`
+        (each sequence's `save_state()`, runtime.decoder's `Drafter` protocol) is not needed:
+        drafting reads h alone."""
         if h.dim() != 2:
             raise ValueError(f"h must be [B, dim] for a batch of context vectors, got {tuple(h.shape)}")
         roots = torch.as_tensor(root_tokens, dtype=torch.long, device=h.device)
@@ -456,6 +491,21 @@ class DraftHeads(nn.Module):
         node_prob = torch.ones(1, buffers.num_nodes, dtype=torch.float32, device=h.device)
         tokens = self._draft_tree(h.reshape(1, -1), root_token, buffers, node_prob, stop_after)[0]
         return tokens, node_prob[0]
+
+    def greedy_top1(self, h: Tensor, root: int | Tensor) -> list[float]:
+        """p_1..p_D: each head's top-1 probability along the heads' own greedy chain from `root`
+        (the chain's tokens stay on the device; the D probabilities come back in one transfer)."""
+        D = self.config.num_heads
+        h = h.reshape(1, -1)
+        tokens = torch.full((1, D), int(root), dtype=torch.long, device=h.device)
+        probs = torch.empty(D, dtype=torch.float32, device=h.device)
+        for d in range(1, D + 1):
+            states = self.head_states(h, tokens, heads=d)[:, -1:]          # head d only
+            top = torch.softmax(self.output_logits(states, first_head=d)[0, 0].float(), -1).max(-1)
+            probs[d - 1] = top.values
+            if d < D:
+                tokens[0, d] = top.indices if self.draft_ids is None else self.draft_ids[top.indices]
+        return probs.tolist()
 
     def _draft_tree(self, h: Tensor, root_token: int | Tensor, buffers: TreeBuffers,
                     node_prob: Tensor | None, stop_after: Callable[[int, Tensor], bool] | None = None) -> Tensor:
@@ -641,24 +691,8 @@ def save_heads(heads: DraftHeads, folder: str | Path, dtype: torch.dtype | None 
     """Write config.json + heads.safetensors (the heads' own weights only, never the shared
     lm_head or the embeddings), each atomically. `dtype` casts the floating weights (bf16 halves
     the size of shipped heads)."""
-    from safetensors.torch import save
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for k, v in heads.state_dict().items():
-        v = v.detach()
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        state[k] = v.contiguous().cpu()
-    float_dtypes = {v.dtype for v in state.values() if v.is_floating_point()}
-    if len(float_dtypes) != 1:
-        raise ValueError(f"heads weights mix dtypes {float_dtypes}; cast the heads to one dtype before saving")
-    dtype_name = next(k for k in DTYPES if torch_dtype(k) in float_dtypes)
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "dtype": dtype_name, **heads.config.to_dict()}
-    atomic_write_bytes(folder / WEIGHTS_FILE, save(state, metadata={"format": "pt", "entmtp": FORMAT}))
-    atomic_write_bytes(folder / CONFIG_FILE, (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
-    return folder
+    return save_weights_folder(heads, {"format": FORMAT, "format_version": FORMAT_VERSION, **heads.config.to_dict()},
+                               folder, WEIGHTS_FILE, CONFIG_FILE, dtype, what="heads weights")
 
 
 def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
@@ -667,16 +701,8 @@ def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a heads folder holds {CONFIG_FILE} + {WEIGHTS_FILE} "
                                 "(train them with `make heads`; published checkpoints load with pipeline.heads.published.read)")
-    raw = json.loads(path.read_text())
-    if raw.pop("format", None) != FORMAT:
-        raise ValueError(f"{path} is not an EntMTP heads config (its 'format' is not {FORMAT!r}); "
-                         "published Hydra/Medusa folders load with pipeline.heads.published.read.load_published")
-    version = raw.pop("format_version", None)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
-    dtype = raw.pop("dtype", None)
-    if dtype not in DTYPES:
-        raise ValueError(f"{path}: 'dtype' must be one of {list(DTYPES)}, got {dtype!r}")
+    raw, dtype = read_weights_config(path, FORMAT, FORMAT_VERSION, "heads", "published Hydra/Medusa folders load "
+                                     "with pipeline.heads.published.read.load_published")
     try:
         return HeadsConfig.from_dict(raw), dtype
     except (TypeError, ValueError) as e:
@@ -724,12 +750,21 @@ def build_heads(config: HeadsConfig, state: dict[str, Tensor], where: str, dtype
 
 
 def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torch.dtype | None = None,
-               base_fingerprint: str | None = None) -> DraftHeads:
+               base_fingerprint: str | None = None) -> DraftHeads | Eagle3Drafter:
     """Load heads saved by `save_heads`. With `model` they are bound to it (and cast to its dtype
-    unless `dtype` is given); with `base_fingerprint` heads trained on another model are refused."""
+    unless `dtype` is given); with `base_fingerprint` heads trained on another model are refused.
+
+    A folder written by `runtime.eagle3.save_drafter` (its config.json's format tag) loads as an
+    `Eagle3Drafter` instead, checked against and bound to `model` (the decoder drives either; see
+    runtime.decoder's `Drafter`). A drafter records no base fingerprint, so `base_fingerprint` is
+    not checked for it (a bank's heads fingerprint still ties it to its drafter file)."""
     from safetensors import safe_open
 
     folder = Path(folder)
+    if is_drafter_folder(folder):
+        from runtime.eagle3 import load_drafter
+
+        return load_drafter(folder, model=model, dtype=dtype)
     config, stored = read_heads_config(folder)
     check_base_fingerprint(config, base_fingerprint, where=f"heads in {folder}")
     wfile = folder / WEIGHTS_FILE
@@ -749,3 +784,16 @@ def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torc
     heads = heads.eval().requires_grad_(False)
     heads.add_fast_paths()
     return heads
+
+
+def is_drafter_folder(folder: str | Path) -> bool:
+    """Whether `folder` holds an EAGLE-3 drafter of ours (config.json tagged by
+    `runtime.eagle3.save_drafter`) rather than heads."""
+    from runtime.eagle3 import FORMAT as DRAFTER_FORMAT
+
+    path = Path(folder) / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == DRAFTER_FORMAT

@@ -63,11 +63,9 @@ def build_bank(
     default = policy_cfg.get("name", "static")
     if default not in policies:
         default = "static"
-    batch = None
-    if timing.get("batch"):  # the trees chosen at each batch size (a time stage of before the batch axis has none)
-        batch = batch_choices(timing["batch"], [kept[k] for k in chosen], [t.num_nodes for t in trees], best,
-                              tie_tolerance)
-        fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
+    # the trees chosen at each batch size
+    batch = batch_choices(timing["batch"], [kept[k] for k in chosen], [t.num_nodes for t in trees], best, tie_tolerance)
+    fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
     dyn = None
     if dynamic is not None:
         from pipeline.bank.dynamic import build_dynamic
@@ -81,8 +79,7 @@ def build_bank(
                                                               "ar_tok_per_s": timing["ar_tok_per_s"]},
                         batch_schedule=batch, dynamic=dyn)
     bank.save(out)
-    if batch:
-        plot_batch_throughput(trees, batch, out / "batch_throughput.png", provenance)
+    plot_batch_throughput(trees, batch, out / "batch_throughput.png", provenance)
     plot_acceptance_frontier(frontier, out / "acceptance_frontier.png", provenance.get("task", ""))
     pruned = [c["nodes"] for c in timing["trees"] if c.get("tok_per_s") is None or "pruned" in c]
     plot_throughput_frontier(cands, hull, chosen, pruned, timing["ar_tok_per_s"], out / "throughput_frontier.png", provenance)

@@ -1,4 +1,4 @@
-"""Per-step overhead of the tree-choice signal and policy (issue 5: "<= 0.1 ms per step on this CPU").
+"""Per-step overhead of the tree-choice signal and policy (target: at most 0.1 ms per step on this CPU).
 
     python -m pipeline.benchmarks.policy_overhead [--threads 1,2] [--dtype float32] [--bank DIR] [--super-nodes 24]
 
@@ -20,7 +20,7 @@ OpenMP threads that spin can make small ops many times slower than on one thread
 For reference the old two-pass entropy (log_softmax, then exp) is timed next to the current one.
 Median of `--repeats` batches. Writes artifacts/reports/benchmarks/policy_overhead.json.
 
-The per-step cost of the policy alone against the 0.1 ms target (issue 5) is this benchmark's
+The per-step cost of the policy alone against the 0.1 ms target is this benchmark's
 verdict (`policy_target` in the JSON, last line of the report); the test suite only checks that
 `policy_overhead_us` measures every policy kind, with no wall-clock bound.
 

@@ -26,6 +26,12 @@ from runtime.config import DTYPES, KINDS, OUTPUTS
 from runtime.config import SamplingConfig as RuntimeSampling
 
 WEIGHT_DTYPES = DTYPES
+# heads kinds of the `heads` group: the runtime's draft heads, and an EAGLE-3 drafter (runtime.eagle3),
+# imported from a folder (`heads.dir`; training one here comes later)
+EAGLE3 = "eagle3"
+HEADS_KINDS = (*KINDS, EAGLE3)
+# EAGLE-3 layer-id conventions of a published drafter file (`pipeline.heads.eagle3_import`)
+AUX_CONVENTIONS = ("vllm", "sglang")
 
 
 def choice(default: Any, *options: Any) -> Any:
@@ -173,8 +179,9 @@ class HeadsGroup:
     # heads file says which: `dir: null` (trained kinds), or `dir: ???` (a published checkpoint, whose
     # folder the command line must give: start-up validation refuses the config until it does)
     dir: Optional[str] = MISSING
-    kind: str = choice("hydra", *KINDS)
-    num_heads: int = at_least(4, 1)         # draft tokens beyond the root (the deepest tree)
+    # hydra | medusa: draft heads; eagle3: an EAGLE-3 drafter (conf/heads/eagle3.yaml; heads.dir only)
+    kind: str = choice("hydra", *HEADS_KINDS)
+    num_heads: int = at_least(4, 1)         # draft tokens beyond the root (the deepest tree; eagle3: the max draft depth)
     num_layers: int = at_least(1, 1)        # ResBlocks per head
     prefix_layer: bool = False              # Hydra++: one extra decoder layer over the base hidden states
     output: str = choice("shared", *OUTPUTS)  # shared: the base lm_head, frozen
@@ -187,6 +194,37 @@ class HeadsGroup:
     # derived after training or import: `draft_vocab.size` is the setting for it
     draft_vocab: DraftVocabConfig = field(default_factory=DraftVocabConfig)
     train: TrainSettings = field(default_factory=TrainSettings)
+    # eagle3 only: what the layer ids in a published drafter file mean (vllm: the input of layer id;
+    # sglang: the output of layer id); null: the layout's default (`pipeline.heads.eagle3_import`).
+    # Newer than the shipped heads: left out of keys while null (`KEY_NEUTRAL_DEFAULTS`)
+    aux_convention: Optional[str] = choice(None, None, *AUX_CONVENTIONS)
+
+
+# Settings added after outputs were built whose default leaves every key as it was: `pipeline.graph.
+# config_key` leaves them out while they hold this value (as `TrainSettings.key_dict` does for
+# heads.train), so the default heads keep their stage key.
+KEY_NEUTRAL_DEFAULTS: Dict[str, Any] = {"heads.aux_convention": None}
+
+
+def key_view(path: str, value: Any) -> Any:
+    """`value` (the plain config value at dotted `path`) as a stage key records it: settings of
+    `KEY_NEUTRAL_DEFAULTS` under `path` left out while they hold their default."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for full, default in KEY_NEUTRAL_DEFAULTS.items():
+        if not full.startswith(path + "."):
+            continue
+        rest = full[len(path) + 1:].split(".")
+        node = out
+        for k in rest[:-1]:
+            if not isinstance(node.get(k), dict):
+                break
+            node[k] = node = dict(node[k])
+        else:
+            if rest[-1] in node and node[rest[-1]] == default:
+                del node[rest[-1]]
+    return out
 
 
 @dataclass

@@ -17,10 +17,13 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from pipeline.paths import CONF_DIR
-from pipeline.config.schema import PipelineConfig, TrainSettings, field_problems
+from pipeline.config.schema import EAGLE3, PipelineConfig, TrainSettings, field_problems
 
 # the Medusa/Hydra default tree (63 nodes + root) is decoded by the evaluate stage whatever the budget
 REFERENCE_TREE_NODES = 64
+EAGLE3_NEEDS_DIR = ("heads.dir is required for heads=eagle3: an EAGLE-3 drafter is imported from its folder (this "
+                    "project's format, EAGLE's own layout or the speculators layout); pass heads.dir=/path/to/the/"
+                    "drafter. Training EAGLE-3 drafters here comes later")
 
 
 class ConfigError(SystemExit):
@@ -65,7 +68,9 @@ def config_problems(cfg: DictConfig) -> list[str]:
 
     missing = _missing_keys(cfg)
     for key in missing:
-        if key == "heads.dir":  # `dir: ???`: a published checkpoint's heads, imported from their folder
+        if key == "heads.dir" and OmegaConf.select(cfg, "heads.kind", default=None) == EAGLE3:
+            add(EAGLE3_NEEDS_DIR)
+        elif key == "heads.dir":  # `dir: ???`: a published checkpoint's heads, imported from their folder
             name = OmegaConf.select(cfg, "heads.name", default=None)
             add(f"heads.dir is required for heads.name={name} (published heads, imported from their folder); "
                 "pass heads.dir=/path/to/the/downloaded/folder")
@@ -147,10 +152,19 @@ def config_problems(cfg: DictConfig) -> list[str]:
     heads = get("heads")
     output = get("heads.output")
     own_size = get("heads.draft_vocab_size")
+    kind = get("heads.kind")
     if own_size is not None and output != "draft":  # the two draft-vocabulary sizes, one dot apart
         add(f"heads.draft_vocab_size={own_size} only sizes the own output layer of heads.output=draft heads, but "
             f"heads.output={output}: to draft over the {own_size} ids the model emits most often, set "
             f"heads.draft_vocab_size=null heads.draft_vocab.size={own_size}")
+    elif kind == EAGLE3:
+        # the drafter's shape comes from its folder; num_heads is the max draft depth
+        from runtime.eagle3 import DEFAULT_MAX_DEPTH
+
+        depth = get("heads.num_heads")
+        if depth is not None and depth > DEFAULT_MAX_DEPTH:
+            add(f"heads.num_heads={depth} is the max draft depth of an EAGLE-3 drafter, which the runtime drafts at most "
+                f"{DEFAULT_MAX_DEPTH} deep (runtime.eagle3.DEFAULT_MAX_DEPTH): set heads.num_heads<={DEFAULT_MAX_DEPTH}")
     elif isinstance(heads, dict) and not any(b.startswith("heads.") for b in bad):
         from runtime.config import HeadsConfig
 
@@ -158,22 +172,33 @@ def config_problems(cfg: DictConfig) -> list[str]:
         # (the prefix layer needs the model's shapes: checked when the heads are built)
         shape = {k: heads[k] for k in ("kind", "num_heads", "num_layers", "output", "draft_vocab_size", "dropout")}
         guard("heads", lambda: HeadsConfig(hidden_size=1, vocab_size=2 ** 31 - 1, **shape))
-    if get("heads.draft_vocab.size") and output != "shared":
-        add(f"heads.draft_vocab.size={get('heads.draft_vocab.size')} restricts the shared lm_head, but "
-            f"heads.output={output}: set heads.draft_vocab.size=null")
+    # (heads.draft_vocab.size with heads whose output layer is their own: the heads stage skips it and says so)
+    convention = get("heads.aux_convention")
+    if convention is not None and kind != EAGLE3:
+        add(f"heads.aux_convention={convention} says what an EAGLE-3 drafter file's layer ids mean, but "
+            f"heads.kind={kind}: set heads.aux_convention=null")
     hdir = get("heads.dir")
     if hdir:
         if not (Path(str(hdir)) / "config.json").is_file():
-            add(f"heads.dir={hdir} holds no heads (config.json + heads.safetensors, or a published Hydra/Medusa "
-                "folder); fix the path or set heads.dir=null to train them")
+            add(f"heads.dir={hdir} holds no heads (config.json + heads.safetensors, a published Hydra/Medusa "
+                "folder or an EAGLE-3 drafter); fix the path" + ("" if kind == EAGLE3 else " or set heads.dir=null to "
+                                                                 "train them"))
         else:
-            from pipeline.heads.published.convert import heads_folder_kind
+            from pipeline.heads.published.convert import EAGLE3_FOLDERS, heads_folder_kind
 
-            guard("heads.dir", lambda: heads_folder_kind(Path(str(hdir))))
-            if get("heads.draft_vocab.size"):
-                from pipeline.heads.draft_vocab import check_shared_output
-
-                guard("heads.draft_vocab.size", lambda: check_shared_output(Path(str(hdir))))
+            found: list[str] = []
+            guard("heads.dir", lambda: found.append(heads_folder_kind(Path(str(hdir)))))
+            if found and kind == EAGLE3 and found[0] not in EAGLE3_FOLDERS:
+                add(f"heads=eagle3 needs an EAGLE-3 drafter folder, but heads.dir={hdir} holds {found[0]} heads; use "
+                    "heads=published_hydra_pp|published_hydra|published_medusa (or the trained kinds) for those")
+            elif found and kind != EAGLE3 and found[0] in EAGLE3_FOLDERS:
+                add(f"heads.dir={hdir} holds an EAGLE-3 drafter, but heads.kind={kind}: use heads=eagle3 heads.dir={hdir}")
+            elif found and found[0] == "eagle3" and convention is not None:
+                add(f"heads.aux_convention={convention}: heads.dir={hdir} holds a drafter in this project's format, "
+                    "whose layer ids already name layer inputs; set heads.aux_convention=null")
+    elif kind == EAGLE3:
+        if "heads.dir" not in missing:
+            add(EAGLE3_NEEDS_DIR)
     elif isinstance(get("heads.train"), dict):
         train = get("heads.train")
         for p in TrainSettings.cross_field_problems(SimpleNamespace(**train)):  # type: ignore[arg-type]

@@ -192,7 +192,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec:
 
     model, hydra = load_runtime(spec)
     bank = TopologyBank.load(bank_dir, model_fingerprint=weights_fingerprint(spec.model_dir),
-                             heads_fingerprint=heads_fingerprint(spec.heads_dir), max_depth=hydra.config.num_heads)
+                             heads_fingerprint=heads_fingerprint(spec.heads_dir), max_depth=hydra.max_depth)
     sampler = sampler_from_cfg(cfg.sampling)
     sizes = [int(b) for b in cfg.evaluate.get("batch_sizes") or []] if batch_rows else []
     if sizes and model.invariant_rows is None and not model.kernel_decode:
@@ -373,11 +373,14 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
         # oracle come from different runs of the machine)
         replayed = replayed_methods(bank, rollouts, costs, rank_cap)
         if dynamic is not None:
-            dyn_replay = replay_dynamic(rollouts, dyn_scores, dynamic, rank_cap)
+            # a fresh policy on the host for the replay: the decodes above bound `dynamic` to the
+            # model's device, and the recorded scores are host arrays
+            host_policy = bank.dynamic_policy()
+            dyn_replay = replay_dynamic(rollouts, dyn_scores, host_policy, rank_cap)
             replayed[DYNAMIC_LABEL] = dyn_replay.tokens_per_second
             check = dynamic_check(dyn_replay, rollouts, recs[DYNAMIC_LABEL], ar_tokens)
             # what EntMTP-dyn's super-tree allows with hindsight, at the same costs as its replay
-            ceiling = dynamic_ceiling(rollouts, dynamic, rank_cap)["tokens_per_second"]
+            ceiling = dynamic_ceiling(rollouts, host_policy, rank_cap)["tokens_per_second"]
             check.update(replayed_tok_per_s=dyn_replay.tokens_per_second, ceiling_tok_per_s=ceiling,
                          share_of_ceiling=dyn_replay.tokens_per_second / ceiling)
             df.attrs["dynamic_check"] = check

@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     names = [a for a in args if "=" not in a and not a.startswith("-")]
     overrides = [a for a in args if "=" in a]
-    if "--force" in args:  # the flag of earlier versions
-        overrides.append("force=true")
+    flags = [a for a in args if a.startswith("-")]
+    if flags:
+        raise SystemExit(f"unknown option(s) {' '.join(flags)}: settings are key=value overrides (e.g. force=true)")
     if not names:
         raise SystemExit(f"usage: python -m pipeline.heads NAME [NAME ...] [key=value ...]; "
                          f"NAME is a file of {CONF_DIR / 'heads'}")

@@ -269,15 +269,15 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
 
 
 def check_shared_output(folder: str | Path) -> None:
-    """Refuse heads whose output layers are their own (published Hydra/Hydra++/Medusa folders, or
-    project heads with output own/draft): a draft vocabulary restricts the base lm_head they share."""
-    from pipeline.heads.published.convert import heads_folder_kind
+    """Refuse heads whose output layers are their own (published Hydra/Hydra++/Medusa folders,
+    project heads with output own/draft, EAGLE-3 drafters): a draft vocabulary restricts the base
+    lm_head they share. (The heads stage skips the draft vocabulary for those before it gets here:
+    `pipeline.heads.published.convert.own_output_reason`.)"""
+    from pipeline.heads.published.convert import folder_own_output
 
     folder = Path(folder)
-    kind = heads_folder_kind(folder)
-    output = json.loads((folder / CONFIG_FILE).read_text()).get("output") if kind == "project" else "own"
-    if output != "shared":
-        what = f"a published {kind} folder" if kind != "project" else f"project heads with output={output!r}"
+    what = folder_own_output(folder)
+    if what is not None:
         raise ValueError(f"{folder} is {what}: its heads have their own output layers, and the draft vocabulary "
                          "(heads.draft_vocab.size) restricts the shared lm_head; set heads.draft_vocab.size=null")
 

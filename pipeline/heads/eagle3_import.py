@@ -35,6 +35,11 @@ vocabulary) is refused with a message naming it. `.bin` files are read with
 `torch.load(weights_only=True)`. A file's own `embed_tokens.weight` must equal the target's (the
 drafter uses the target's embeddings).
 
+The heads stage (`heads=eagle3 heads.dir=<folder>`) imports a published folder once
+(`convert_eagle3`, keyed and filed by `pipeline.heads.published.convert.import_heads`): read strictly as above, checked against the base model, and written in our format
+(`runtime.eagle3.save_drafter`) into `artifacts/heads/<model>/<name>/` with the source's checksums
+in the manifest; a folder in our format is checked and used as it is.
+
 Which target layers: our `aux_layer_ids` name the residual stream entering a layer (see
 `runtime.eagle3`). A file's `eagle_aux_hidden_state_layer_ids` mean that in vLLM (which captures
 the input of layer id) but the output of layer id in SGLang and SpecForge (which capture the input
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,18 +114,39 @@ def detect_layout(folder: str | Path) -> str:
     return SPECULATORS if "speculators_model_type" in _read_json(Path(folder)) else ORIGINAL
 
 
+def weight_files(folder: str | Path) -> list[Path]:
+    """The files `load_weights` reads: `model.safetensors`, the shards a `model.safetensors.index.json`
+    lists, or `pytorch_model.bin`."""
+    folder = Path(folder)
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (ValueError, KeyError, AttributeError) as e:
+            raise Eagle3Error(f"{index} is not a safetensors index (a JSON object with a weight_map): {e}") from e
+        files = sorted({folder / f for f in shards})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that are not in {folder}: {absent}")
+        return files
+    binary = folder / "pytorch_model.bin"
+    if not binary.is_file():
+        raise FileNotFoundError(f"{folder} holds neither model.safetensors nor pytorch_model.bin")
+    return [binary]
+
+
 def load_weights(folder: str | Path) -> tuple[dict[str, Tensor], Path]:
     """The drafter's tensors and the file they came from: `model.safetensors` (or the shards a
     `model.safetensors.index.json` lists), else `pytorch_model.bin` read with
     torch.load(weights_only=True) (a file holding any other pickled object is refused)."""
     folder = Path(folder)
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file() or index.is_file():
+    files = weight_files(folder)
+    if files[0].suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        files = [single] if single.is_file() else sorted(
-            {folder / f for f in json.loads(index.read_text())["weight_map"].values()})
         state: dict[str, Tensor] = {}
         for f in files:
             try:
@@ -128,9 +154,7 @@ def load_weights(folder: str | Path) -> tuple[dict[str, Tensor], Path]:
             except (SafetensorError, OSError) as e:
                 raise Eagle3Error(f"{f} is not a readable safetensors file: {e}") from e
         return state, files[0]
-    binary = folder / "pytorch_model.bin"
-    if not binary.is_file():
-        raise FileNotFoundError(f"{folder} holds neither model.safetensors nor pytorch_model.bin")
+    binary = files[0]
     try:
         obj = torch.load(str(binary), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -352,11 +376,14 @@ def _to_ours(state: dict[str, Tensor], config: Eagle3Config, layout: str, where:
 
 
 def read_eagle3(folder: str | Path, target: Transformer | ModelArgs, layout: str | None = None,
-                aux_convention: str | None = None, dtype: torch.dtype | None = None) -> Eagle3Drafter:
+                aux_convention: str | None = None, dtype: torch.dtype | None = None,
+                embeddings: Tensor | None = None) -> Eagle3Drafter:
     """An Eagle3Drafter from a published folder in either layout (detected unless `layout` says),
     checked against the target (a Transformer, to which it is then bound and whose dtype and
-    device it takes unless `dtype` is given; or just its ModelArgs). `aux_convention` ("vllm" /
-    "sglang") says what the file's layer ids mean; the default is the layout's (module docstring)."""
+    device it takes unless `dtype` is given; or just its ModelArgs, with the target's token
+    `embeddings` [V, hidden] to check a file that carries its own against). `aux_convention`
+    ("vllm" / "sglang") says what the file's layer ids mean; the default is the layout's (module
+    docstring)."""
     folder = Path(folder)
     model = target if isinstance(target, Transformer) else None
     args = model.args if model is not None else target
@@ -364,7 +391,7 @@ def read_eagle3(folder: str | Path, target: Transformer | ModelArgs, layout: str
         raise TypeError(f"target must be the runtime Transformer or its ModelArgs, got {type(target).__name__}")
     config, layout = read_config(folder, args, layout, aux_convention)
     state, wfile = load_weights(folder)
-    ours = _to_ours(state, config, layout, str(wfile), None if model is None else model.tok_embeddings.weight)
+    ours = _to_ours(state, config, layout, str(wfile), model.tok_embeddings.weight if model is not None else embeddings)
     floats = {v.dtype for k, v in ours.items() if v.is_floating_point()}
     want = dtype or (model.dtype if model is not None else (floats.pop() if len(floats) == 1 else torch.float32))
     drafter = build_drafter(config, ours, str(wfile), want, model.device if model is not None else "cpu")
@@ -467,3 +494,107 @@ def write_speculators(drafter: Eagle3Drafter, folder: str | Path, verifier_name_
     atomic_write_bytes(folder / "model.safetensors", save(state, metadata={"format": "pt"}))
     atomic_write_bytes(folder / "config.json", (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     return folder
+
+
+# ----------------------------------------------------------------------------------------------
+# the heads stage: `heads=eagle3 heads.dir=<folder>`
+
+
+def _target_args(model_dir: Path) -> ModelArgs:
+    path = model_dir / "config.json"
+    try:
+        return ModelArgs.from_hf_config(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable model config: {e}") from e
+
+
+def folder_layout(kind: str) -> str:
+    """The eagle3_import layout of a `pipeline.heads.published.convert.heads_folder_kind` EAGLE-3 kind."""
+    layouts = {"eagle3_eagle": ORIGINAL, "eagle3_speculators": SPECULATORS}
+    if kind not in layouts:
+        raise ValueError(f"{kind!r} is not a published EAGLE-3 folder kind ({sorted(layouts)})")
+    return layouts[kind]
+
+
+def resolved_convention(layout: str, aux_convention: str | None) -> str:
+    """The layer-id convention a published file is read in: `aux_convention`, else the layout's default."""
+    if aux_convention is not None and aux_convention not in CONVENTIONS:
+        raise Eagle3Error(f"heads.aux_convention must be one of {CONVENTIONS} (or null: the layout's default), got "
+                          f"{aux_convention!r}")
+    return aux_convention or DEFAULT_CONVENTION[layout]
+
+
+def convert_eagle3(src: Path, model_dir: Path, out: Path, layout: str, aux_convention: str | None,
+                   base_embeddings: Callable[[Path], Tensor]) -> dict[str, Any]:
+    """Read the published drafter in `src` strictly (`read_eagle3`), checked against the base model
+    in `model_dir` (hidden size, vocabulary, layer ids, and the token embeddings a file may carry,
+    which `base_embeddings(model_dir)` reads), and write it in our format into `out` (`save_drafter`,
+    in the dtype the file stores); returns the provenance the manifest keeps. The heads stage's
+    import (`pipeline.heads.published.convert.import_heads`) keys and files it."""
+    from pipeline.artifacts import hash_bytes
+    from runtime.eagle3 import save_drafter
+    from runtime.fingerprint import file_sha256, weights_fingerprint
+
+    args = _target_args(model_dir)
+    src_cfg = _read_json(src)
+    # a file that carries its own embeddings is checked against the model's (the drafter uses the model's)
+    embeddings = base_embeddings(model_dir) if any(_file_has_embeddings(f) for f in weight_files(src)) else None
+    convention = resolved_convention(layout, aux_convention)
+    drafter = read_eagle3(src, args, layout=layout, aux_convention=convention, embeddings=embeddings)
+    c = drafter.config
+    dtype = drafter.dtype
+    save_drafter(drafter, out, dtype=dtype)
+    if layout == SPECULATORS:
+        file_ids = src_cfg.get("eagle_aux_hidden_state_layer_ids")
+        verifier = (src_cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+    else:
+        file_ids = src_cfg.get("eagle_aux_hidden_state_layer_ids",
+                               (src_cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+        verifier = src_cfg.get("base_model_name_or_path")
+    files = weight_files(src)
+    return {
+        "source": str(src.resolve()),
+        "layout": layout,
+        "checkpoint": [f.name for f in files],
+        "checkpoint_sha256": {f.name: file_sha256(f) for f in files},
+        "config_sha256": hash_bytes((src / "config.json").read_bytes()),
+        "aux_convention": convention if file_ids is not None else None,
+        "file_aux_layer_ids": file_ids,
+        "aux_layer_ids": list(c.aux_layer_ids),
+        "verifier": verifier,
+        "base_fingerprint": weights_fingerprint(model_dir),
+        "base_embeddings_checked": embeddings is not None,
+        "drafter": {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+                    "num_aux": c.num_aux, "norm_before_residual": c.norm_before_residual,
+                    "dtype": str(dtype).removeprefix("torch.")},
+    }
+
+
+def _file_has_embeddings(path: Path) -> bool:
+    """Whether a weights file holds `embed_tokens.weight` (read from the safetensors header; a .bin is
+    assumed to, the check then reads the model's embeddings)."""
+    if path.suffix != ".safetensors":
+        return True
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return "embed_tokens.weight" in f.keys()  # noqa: SIM118 (safe_open is not a dict)
+    except (SafetensorError, OSError) as e:
+        raise Eagle3Error(f"{path} is not a readable safetensors file: {e}") from e
+
+
+def check_own_drafter(src: Path, model_dir: Path, aux_convention: str | None = None) -> None:
+    """A drafter folder in our format, checked against the base model before use: its config (hidden
+    size, vocabulary, layer ids) and the weights file's presence (`runtime.heads.load_heads` checks
+    every tensor when a stage loads it). Its layer ids are in the runtime's convention already, so an
+    `aux_convention` is refused."""
+    from runtime.eagle3 import WEIGHTS_FILE, read_drafter_config
+
+    if aux_convention is not None:
+        raise ValueError(f"heads.aux_convention={aux_convention}: heads.dir={src} holds a drafter in this project's "
+                         "format, whose layer ids already name layer inputs; set heads.aux_convention=null")
+    config, _ = read_drafter_config(src)
+    config.check_target(_target_args(model_dir), where=f"the EAGLE-3 drafter in heads.dir={src}")
+    if not (src / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"heads.dir={src} has an EAGLE-3 drafter config.json but no {WEIGHTS_FILE}")

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 TRAIN_VERSION = 1
 _HEAD_KEYS = {f.name for f in dataclasses.fields(HeadsConfig)} - {"hidden_size", "vocab_size", "base_fingerprint", "base_args"}
 # entries of the `heads` config group that are not head shapes
-_NOT_SHAPE = ("name", "dir", "train", "draft_vocab")
+_NOT_SHAPE = ("name", "dir", "train", "draft_vocab", "aux_convention")
 
 
 def heads_config_for(heads_cfg: dict[str, Any], model_args: Any, fingerprint: str | None) -> HeadsConfig:

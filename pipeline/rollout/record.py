@@ -1,6 +1,12 @@
 """One shard of the calibration rollout: per prompt, the AR continuation (greedy or seeded sampling),
 one teacher-forced pass over prompt + continuation, and the rank paths and signals recorded from it
-(`rollout_prompt`, `run_rollout`); saving and loading a rollout folder."""
+(`rollout_prompt`, `run_rollout`); saving and loading a rollout folder.
+
+Heads (Medusa, Hydra) give their teacher-forced logits along the true path from the pass's hidden
+states; an EAGLE-3 drafter reads the target's features from the same pass and gives its rank paths
+and top-1 probabilities along the continuation itself (`runtime.eagle3.Eagle3Drafter.rollout_arrays`:
+its committed rows built causally, then one draft-layer pass per depth over every position), with
+D = the drafter's `max_depth` columns (the trees a bank may use go to `heads.num_heads`)."""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from safetensors.numpy import load_file, save_file
 from tqdm.auto import tqdm
 
 from runtime.ar import ar_generate
-from runtime.heads import DraftHeads
+from runtime.decoder import Drafter
+from runtime.eagle3 import target_forward
 from runtime.model import Transformer
 from runtime.sampling import Sampler
 
@@ -23,7 +30,7 @@ ARRAYS = ("tokens", "rank_paths", "p0", "entropy", "head_top1", "greedy_top1", "
 
 @torch.inference_mode()
 def rollout_prompt(
-    model: Transformer, heads: DraftHeads, input_ids: list[int], max_new_tokens: int, rank_cap: int,
+    model: Transformer, heads: Drafter, input_ids: list[int], max_new_tokens: int, rank_cap: int,
     sampler: Sampler | None = None,
 ) -> dict[str, np.ndarray]:
     """Arrays over step indices i = 0..T-1 for one prompt (see the rank-path convention).
@@ -41,20 +48,28 @@ def rollout_prompt(
     """
     sampler = sampler if sampler is not None else Sampler()
     y = ar_generate(model, list(input_ids), max_new_tokens, sampler=sampler)
-    P, T, D = len(input_ids), len(y), heads.config.num_heads
+    P, T, D = len(input_ids), len(y), heads.max_depth
     dev = model.device  # every tensor is made where the model computes
     seq = torch.tensor([list(input_ids) + y[:-1]], dtype=torch.long, device=dev)  # y_T needs no successor
     seq_pos = torch.arange(seq.shape[1], device=dev)
     model.reset_cache()
     heads.reset()
-    logits, hidden = model(seq, seq_pos)
-    ctx = heads.context(hidden, seq_pos)[P - 1:]                         # [T, dim]
+    if heads.aux_layer_ids:  # an EAGLE-3 drafter: the target's features from this same forward
+        logits, hidden, features = target_forward(model, seq, seq_pos, heads.aux_layer_ids)
+    else:
+        logits, hidden = model(seq, seq_pos)
     base = logits[0, P - 1:].float()                                     # [T, V] gives y_1..y_T
     y_t = torch.tensor(y, dtype=torch.long, device=dev)
     logp = torch.log_softmax(base, -1)
     p0 = logp.max(-1).values.exp()
     entropy = -(logp.exp() * logp).sum(-1)
     tf_mismatch = sampler.next_tokens(base, torch.arange(T, device=dev)) != y_t
+    if heads.aux_layer_ids:
+        # x_{s+1} for every position s of seq: its own next token, then y_T
+        ranks, head_top1, greedy_top1 = heads.rollout_arrays(features, torch.cat([seq[0, 1:], y_t[-1:]]), P - 1, D,
+                                                             rank_cap)
+        return _arrays(y, ranks, p0, entropy, head_top1, greedy_top1, tf_mismatch)
+    ctx = heads.context(hidden, seq_pos)[P - 1:]                         # [T, dim]
 
     # next_true[i, d] = y_{i+1+d} (d = 0..D): the root and the targets of heads 1..D; -1 past T
     padded = torch.cat([y_t, torch.full((D,), -1, dtype=torch.long, device=dev)])
@@ -73,7 +88,11 @@ def rollout_prompt(
         lg = heads.teacher_forced_logits(ctx, chain)
         chain[:, d] = lg[:, d - 1].argmax(-1)
     greedy_top1 = torch.softmax(heads.teacher_forced_logits(ctx, chain), -1).max(-1).values
+    return _arrays(y, ranks, p0, entropy, head_top1, greedy_top1, tf_mismatch)
 
+
+def _arrays(y: list[int], ranks: torch.Tensor, p0: torch.Tensor, entropy: torch.Tensor, head_top1: torch.Tensor,
+            greedy_top1: torch.Tensor, tf_mismatch: torch.Tensor) -> dict[str, np.ndarray]:
     return {
         "tokens": np.asarray(y, dtype=np.int64),
         "rank_paths": ranks.to(torch.int16).cpu().numpy(),
@@ -92,7 +111,7 @@ def shard_rows(rows: list[dict], shard: int, num_shards: int) -> list[dict]:
 
 
 def run_rollout(
-    model: Transformer, heads: DraftHeads, rows: list[dict], max_new_tokens: int, rank_cap: int,
+    model: Transformer, heads: Drafter, rows: list[dict], max_new_tokens: int, rank_cap: int,
     out_dir: Path, desc: str = "rollout", sampler: Sampler | None = None,
 ) -> dict[str, Any]:
     """Roll out `rows` (dicts with `id` and `input_ids`) and save them under `out_dir`."""

@@ -7,7 +7,13 @@ scores of a larger tree are not S's). `score_prompt` computes them from the cont
 decoder sees (`decode_contexts`: the prefill, then the continuation in one causal-masked forward,
 which a row-invariant model computes as bit-identically as any decode forward). They are kept
 beside the rollout in a versioned file (`save_scores` / `load_scores`, SCORES_FORMAT), one array
-per candidate super-tree, checked against the rollout they belong to on load."""
+per candidate super-tree, checked against the rollout they belong to on load.
+
+An EAGLE-3 drafter (`runtime.eagle3`) drafts from its own cache of committed rows as well as its
+context, so `score_prompt` builds what a decoder holds at each step index instead
+(`drafter_scores`): the target's features of the prompt (the prefill's forward) and of the
+continuation (causal-masked chunks, as for heads), all rows committed at once, then, step index by
+step index from the last, the cache cut back to the step's committed rows and S drafted."""
 
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from safetensors.numpy import load_file, save_file
 from pipeline.bank.dynamic import (
     SCORES_FORMAT,  # head scores of super-trees (`save_scores`)
 )
+from runtime.decoder import Drafter
+from runtime.eagle3 import Eagle3Drafter, target_forward
 from runtime.heads import DraftHeads
 from runtime.model import Transformer
 from runtime.tree import TreeBuffers
@@ -70,11 +78,55 @@ def decode_contexts(model: Transformer, heads: DraftHeads, input_ids: list[int],
 
 
 @torch.inference_mode()
-def score_prompt(model: Transformer, heads: DraftHeads, input_ids: list[int], tokens: list[int] | np.ndarray,
+def drafter_scores(model: Transformer, drafter: Eagle3Drafter, input_ids: list[int], tokens: list[int] | np.ndarray,
+                   super_trees: list[TreeBuffers]) -> list[np.ndarray]:
+    """`score_prompt` for an EAGLE-3 drafter: per super-tree S, float32 [T, N-1], row i the draft
+    probabilities of S's non-root nodes as `propose_scored(g_i, y_{i+1}, S)` gives them in a decode
+    whose drafter cache holds the committed rows of positions 0..P-1+i (P prompt tokens). The
+    prompt's rows are committed as the decoder's prefill commits them (one call); the continuation's
+    in one call too, where a decode commits each step's accepted rows together, which may round a
+    row's state differently in the last bits (as for Hydra++'s prefix layer in `decode_contexts`)."""
+    y = [int(t) for t in tokens]
+    P, T, dev = len(input_ids), len(y), model.device
+    aux = tuple(drafter.aux_layer_ids)
+    model.reset_cache()
+    drafter.reset()
+    ids = torch.tensor([list(input_ids)], dtype=torch.long, device=dev)
+    _, _, prompt_features = target_forward(model, ids, torch.arange(P, device=dev), aux, last_only=True)
+    features = [prompt_features]
+    for a in range(0, T - 1, CONTEXT_CHUNK):   # the continuation as `decode_contexts` runs it
+        b = min(a + CONTEXT_CHUNK, T - 1)
+        causal = torch.ones(b - a, b - a, dtype=torch.bool, device=dev).tril_()
+        _, _, piece = target_forward(model, torch.tensor([y[a:b]], dtype=torch.long, device=dev),
+                                     torch.arange(P + a, P + b, device=dev), aux, mask=causal)
+        features.append(piece)
+    # each position's next token: the prompt's after the first, then y_1..y_T
+    nxt = torch.tensor(list(input_ids[1:]) + y, dtype=torch.long, device=dev)
+    g = [drafter.extend(prompt_features, nxt[:P])]                         # g_0: drafts below y_1
+    if T > 1:
+        g.append(drafter.extend(torch.cat(features[1:]), nxt[P:], return_all=True))  # g_1..g_{T-1}
+    ctx = torch.cat(g)
+    bufs = [buf.to(dev) for buf in super_trees]
+    rows = [torch.empty(T, buf.num_nodes - 1, dtype=torch.float32, device=dev) for buf in bufs]
+    # from the last step index down: drafting writes scratch rows past the committed ones, which only
+    # the later step indices (already scored) hold as committed
+    for i in range(T - 1, -1, -1):
+        drafter.truncate(P + i)
+        for buf, out in zip(bufs, rows):
+            out[i] = drafter.propose_scored(ctx[i], y[i], buf)[1][1:]
+    drafter.reset()
+    return [r.cpu().numpy() for r in rows]
+
+
+@torch.inference_mode()
+def score_prompt(model: Transformer, heads: Drafter, input_ids: list[int], tokens: list[int] | np.ndarray,
                  super_trees: list[TreeBuffers], contexts: torch.Tensor | None = None) -> list[np.ndarray]:
     """Per super-tree S, float32 [T, N-1]: row i holds the head probabilities of S's non-root nodes
     (node order) at step index i, exactly as `propose_scored(h_i, y_{i+1}, S)` gives them in a
-    decode (`contexts`: `decode_contexts`, computed here when not given)."""
+    decode (`contexts`: `decode_contexts`, computed here when not given). An EAGLE-3 drafter:
+    `drafter_scores` (`contexts` is not read)."""
+    if heads.aux_layer_ids:
+        return drafter_scores(model, heads, input_ids, tokens, super_trees)  # type: ignore[arg-type]
     y = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=model.device)
     ctx = decode_contexts(model, heads, input_ids, y.tolist()) if contexts is None else contexts
     out = []

@@ -67,7 +67,7 @@ def output(cfg: DictConfig) -> Path:
     def build(tmp: Path) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
-        from pipeline.rollout.scores import decode_contexts, save_scores, score_prompt
+        from pipeline.rollout.scores import save_scores, score_prompt
         from pipeline.rollout.record import load_rollout
         from runtime.tree import TreeBuffers
 
@@ -79,8 +79,7 @@ def output(cfg: DictConfig) -> Path:
         per_prompt = []
         for r in tqdm(rollouts, desc=f"score {cfg.task.name} super-trees", unit="prompt"):
             ids = rows[r["id"]]["input_ids"]
-            ctx = decode_contexts(model, heads, ids, r["tokens"])
-            per_prompt.append(score_prompt(model, heads, ids, r["tokens"], bufs, contexts=ctx))
+            per_prompt.append(score_prompt(model, heads, ids, r["tokens"], bufs))  # heads or an EAGLE-3 drafter
         save_scores(tmp, [r["id"] for r in rollouts], [list(t.paths) for t in trees], per_prompt, rollout_digest)
         return {"prompts": len(rollouts), "super_tree_nodes": [t.num_nodes for t in trees]}
 

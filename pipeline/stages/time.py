@@ -63,6 +63,7 @@ def output(cfg: DictConfig) -> Path:
         return build_timing(tmp, dec, cands, per_tree_tps, rows, task_prompt_tokens, plain(cfg.time),
                             int(cfg.profile.max_new_tokens), sampler_from_cfg(cfg.sampling), resolve_dtype(cfg),
                             chains=chains, acceptance=plain(cfg.acceptance),
-                            tokens_per_step_from="replay" if exact else "recalibrate")
+                            tokens_per_step_from="replay" if exact else "recalibrate",
+                            max_depth=int(cfg.heads.num_heads))  # an EAGLE-3 drafter drafts deeper than its trees
 
     return run_stage("time", Layout.from_cfg(cfg).decode_work / "time", key, build, force=forced(cfg, "time"))

@@ -128,6 +128,7 @@ def measure_and_check(
     decoder: TreeDecoder, rows: list[dict], trees: list, tokens_per_step: list[float], contexts: list[int],
     ref_context: int, *, repeats: int, rounds: int, fixed_tokens: int, new_tokens: int, prune_margin: float | None,
     sampler: Sampler | None, clock_kind: str, dtype: str, machine: dict[str, Any], bar: Any = None,
+    max_depth: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The time stage's measurement: a `StepCostModel` over `repeats` probe rounds, with the
     `rounds` check rounds of a `TreeTimer` run between them, spread so that the mid-points of both
@@ -135,7 +136,8 @@ def measure_and_check(
     (`prune_by_cost` with `early_margin(prune_margin)`, unless `prune_margin` is None) by the model
     of the probe rounds before the first check. Returns (model, the timer's result plus
     "after_probe_rounds": the probe rounds done before each check round, and
-    "pruned_with_probe_rounds"). `bar`: a tqdm bar to advance."""
+    "pruned_with_probe_rounds"). `bar`: a tqdm bar to advance; `max_depth`: the deepest tree the
+    model prices (`measure_step_cost`)."""
     from pipeline.timing.step_cost import StepCostModel, measure_step_cost, step_clock
 
     # check round j after probe round index after[j]
@@ -169,7 +171,7 @@ def measure_and_check(
 
     model = measure_step_cost(decoder, rows[0]["input_ids"], [t.num_nodes for t in trees], contexts, repeats=repeats,
                               fixed_tokens=fixed_tokens, sampler=sampler, dtype=dtype, machine=machine,
-                              progress=progress, clock_kind=clock_kind, between_rounds=check)
+                              progress=progress, clock_kind=clock_kind, between_rounds=check, max_depth=max_depth)
     result = state["timer"].result()
     result.update(after_probe_rounds=[k + 1 for k in after], pruned_with_probe_rounds=state["pruned_with"])
     return model, result
@@ -218,14 +220,10 @@ def prune_again(entries: list[dict], margin: float) -> None:
 def time_head_chain(decoder: TreeDecoder, row: dict, repeats: int = 10) -> float:
     """Median seconds of one `greedy_chain_top1` call (the per-step extra of the signals that read
     the heads, `runtime.decoder.HEAD_SIGNALS`), from the context vector after the prompt of `row`."""
+    from pipeline.timing.step_cost import prompt_context
+
     model, heads = decoder.model, decoder.heads
-    model.reset_cache()
-    heads.reset()
-    ids = torch.tensor([row["input_ids"]], dtype=torch.long, device=model.device)
-    pos = torch.arange(ids.shape[1], device=model.device)
-    logits, hidden = model(ids, pos, last_only=True)
-    h = heads.observe(hidden, pos)
-    root = int(logits[0, -1].argmax())
+    h, root = prompt_context(model, heads, row["input_ids"])
     greedy_chain_top1(heads, h, root)  # warm-up
     times = []
     for _ in range(repeats):

@@ -23,9 +23,11 @@ log = logging.getLogger(__name__)
 
 def build_timing(out: Path, dec: TreeDecoder, cands: list[dict], per_tree_tps: list[float], rows: list[dict],
                  task_prompt_tokens: float, tc: dict[str, Any], n_new: int, sampler: Sampler, dtype: str, *,
-                 chains: list[tuple[Tree, float]], acceptance: dict, tokens_per_step_from: str) -> dict[str, Any]:
+                 chains: list[tuple[Tree, float]], acceptance: dict, tokens_per_step_from: str,
+                 max_depth: int | None = None) -> dict[str, Any]:
     """Measure, check and write the time stage's output into `out` (`tc`: the `time` settings);
-    returns the manifest summary."""
+    returns the manifest summary. `max_depth`: the deepest tree the step-cost model prices (default:
+    the drafter's own max depth)."""
     from tqdm.auto import tqdm
 
     prompt_len = statistics.median(len(r["input_ids"]) for r in rows)
@@ -35,7 +37,8 @@ def build_timing(out: Path, dec: TreeDecoder, cands: list[dict], per_tree_tps: l
                                  repeats=int(tc["cost_repeats"]), rounds=int(tc["rounds"]),
                                  fixed_tokens=int(tc["cost_tokens"]), new_tokens=int(tc["new_tokens"]),
                                  prune_margin=float(tc["prune_margin"]) if tc["prune"] else None, sampler=sampler,
-                                 clock_kind=str(tc["clock"]), dtype=dtype, machine=machine_info(), bar=bar)
+                                 clock_kind=str(tc["clock"]), dtype=dtype, machine=machine_info(), bar=bar,
+                                 max_depth=max_depth)
     bar.close()
     timed = [k for k in range(len(cands)) if k not in t["pruned"]]
     larger = [b for b in set(tc["batch_sizes"]) if int(b) > 1]

@@ -5,7 +5,15 @@ A step is draft + verify + fixed (see runtime/decoder.py):
 * draft: the heads' `propose`. Hydra drafts level by level, each level one batch over the
   distinct parents one level up, so its cost is a sum over depth levels of a function of that
   level's width (rows). Medusa runs every head once from the context vector: one product whose
-  cost depends on the depth only.
+  cost depends on the depth only. An EAGLE-3 drafter (`runtime.eagle3`, kind "eagle3") drafts level
+  by level too: level d >= 2 is one forward of its draft layer over the depth-(d-1) frontier (the
+  nodes with children, the level's width) and the output product over those rows, so the same
+  per-level table, measured the same way with the drafter's own `propose` on chains of each width
+  and depth, prices it (level 1: the output product over the root's one row). It differs from
+  Hydra only in a batch: `Eagle3Drafter.propose_batch` drafts the sequences one after another over
+  their own caches, so B sequences cost B drafts, where Hydra's levels are one product over the
+  B sequences' rows. The draft layer's attention also reads the committed rows; the table holds it
+  at the timed prompt's context (a one-layer drafter's share of a step, next to the L-layer verify).
 * verify: one base-model forward with N new rows (the tree's nodes) at context length L, read
   from a measured grid of N and L by piecewise-linear interpolation (linear extrapolation past
   its ends).
@@ -49,9 +57,8 @@ import numpy as np
 import torch
 
 from pipeline.artifacts import atomic_write_json
-from runtime.decoder import TreeDecoder
+from runtime.decoder import Drafter, TreeDecoder
 from runtime.device import clock
-from runtime.heads import DraftHeads
 from runtime.model import Transformer
 from runtime.sampling import Sampler
 from runtime.tree import Tree, TreeBuffers
@@ -59,6 +66,9 @@ from runtime.tree import Tree, TreeBuffers
 log = logging.getLogger(__name__)
 
 SCHEMA = 2  # 2: every figure scaled by phase probes (phase_ms), draft and verify by in_situ
+# how a kind's drafting is priced (see the module docstring): per level ("hydra", "eagle3") or one product ("medusa")
+COST_KINDS = ("hydra", "medusa", "eagle3")
+PER_LEVEL = ("hydra", "eagle3")
 DRAFT_WIDTHS = (1, 2, 4, 8, 16, 32)
 FIXED_WIDTH = 8                   # chains of the wide probe that separates a node cost from a depth cost
 PROBE_WARMUP_STEPS = 2            # first steps of every probe decode are not used (allocator, caches)
@@ -113,7 +123,9 @@ def chains_tree(width: int, depth: int) -> Tree:
 class StepCostModel:
     """Step cost (milliseconds) of any tree on one machine, model, heads, dtype and thread count."""
 
-    kind: str                            # heads kind: "hydra" (per-level drafting) or "medusa" (one product)
+    # drafter kind: "hydra" (per-level drafting), "medusa" (one product) or "eagle3" (per-level, as
+    # hydra; a batch drafts its sequences one after another)
+    kind: str
     num_heads: int
     verify_rows: list[int]               # grid of new rows N (increasing)
     verify_contexts: list[int]           # grid of context lengths L (increasing)
@@ -154,8 +166,8 @@ class StepCostModel:
         what = "step-cost model"
         if self.schema != SCHEMA:
             raise ValueError(f"{what}: schema {self.schema}, this code reads {SCHEMA}; rebuild the time stage (force=true)")
-        if self.kind not in ("hydra", "medusa"):
-            raise ValueError(f"{what}: kind must be 'hydra' or 'medusa', got {self.kind!r}")
+        if self.kind not in COST_KINDS:
+            raise ValueError(f"{what}: kind must be one of {COST_KINDS}, got {self.kind!r}")
         for name, grid in (("verify_rows", self.verify_rows), ("verify_contexts", self.verify_contexts),
                            ("draft_widths", self.draft_widths)):
             if not grid or any(b <= a for a, b in zip(grid, grid[1:])):
@@ -202,6 +214,8 @@ class StepCostModel:
             raise ValueError(f"a tree of depth {tree.depth}: the heads draft only {self.num_heads} levels")
         if self.kind == "medusa" or tree.depth == 0:
             return self._draft_table(tree.depth, 1)  # one product over `batch` rows: few rows cost as one
+        if self.kind == "eagle3" and batch > 1:  # one sequence's draft after another
+            return batch * self.draft(tree)
         widths = [batch * w for w in level_widths(tree)]
         total = self._draft_table(1, 1)  # level 1 has one row (the root); includes propose's prologue
         if batch > 1 and self.num_heads > 1:  # level 1 over `batch` roots: priced as a level 2 of that width
@@ -288,7 +302,7 @@ class StepParts:
     (verify) calls: pass `mark` as the decoder's stream callback. Wrappers are instance attributes
     over the bound methods, removed by `close`; the prefill's forward falls before the first mark."""
 
-    def __init__(self, model: Transformer, heads: DraftHeads, now: Callable[[], float]) -> None:
+    def __init__(self, model: Transformer, heads: Drafter, now: Callable[[], float]) -> None:
         self.model, self.heads, self.now = model, heads, now
         self.spent = {"draft": 0.0, "verify": 0.0}
         self.marks: list[tuple[float, float, float]] = []
@@ -400,15 +414,32 @@ def phase_probe(model: Transformer, context: int, gen: torch.Generator, now: Cal
     return statistics.median(time_forward(model, context, 1, gen, now) for _ in range(PHASE_FORWARDS))
 
 
-def _context_vector(model: Transformer, heads: DraftHeads, prompt: Sequence[int]) -> tuple[torch.Tensor, int]:
-    """The heads' context vector after `prompt` and the base model's next token (the draft's inputs)."""
+def drafter_kind(heads: Drafter) -> str:
+    """The `StepCostModel.kind` of a drafter: its heads kind ("hydra" / "medusa"), or "eagle3"."""
+    from runtime.eagle3 import Eagle3Drafter
+
+    return "eagle3" if isinstance(heads, Eagle3Drafter) else str(heads.config.kind)
+
+
+def prompt_context(model: Transformer, heads: Drafter, prompt: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """The drafter's context after `prompt` and the base model's greedy next token (the draft's
+    inputs), from fresh caches: heads observe the prompt's hidden states; a drafter that reads the
+    target's features (EAGLE-3) observes those of the same forward, each position paired with its
+    next token (the last one's is the root), as `TreeDecoder`'s prefill does."""
+    from runtime.eagle3 import target_forward
+
     model.reset_cache()
     heads.reset()
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
     pos = torch.arange(ids.shape[1], device=model.device)
-    logits, hidden = model(ids, pos, last_only=True)
-    h = heads.observe(hidden, pos)
-    return h, int(logits[0, -1].argmax())
+    aux = tuple(heads.aux_layer_ids)
+    if not aux:
+        logits, hidden = model(ids, pos, last_only=True)
+        return heads.observe(hidden, pos), int(logits[0, -1].argmax())
+    logits, hidden, features = target_forward(model, ids, pos, aux, last_only=True)
+    root = logits[0, -1].argmax().reshape(1)
+    h = heads.observe(hidden, pos, torch.cat([ids[0, 1:], root]), features)
+    return h, int(root)
 
 
 @torch.inference_mode()
@@ -417,11 +448,14 @@ def measure_step_cost(
     repeats: int = 7, fixed_tokens: int = 12, sampler: Sampler | None = None, dtype: str = "",
     machine: dict[str, Any] | None = None, progress: Callable[[int, int], None] | None = None,
     clock_kind: str = "wall", between_rounds: Callable[[int, StepCostModel], None] | None = None,
+    max_depth: int | None = None,
 ) -> StepCostModel:
     """Measure a `StepCostModel` for the decoder's model and heads (wall clock, medians over `repeats`
     interleaved rounds). `prompt` is a real prompt (the draft and fixed probes decode from it).
     `between_rounds(i, model)`, if given, runs after round i with the model of rounds 0..i (the time
     stage decodes its check rounds there, so model and check see the same state of the machine).
+    `max_depth`: the deepest tree priced (default and at most: the drafter's `max_depth`, the heads'
+    count for heads; an EAGLE-3 drafter drafts deeper than the trees a bank may use).
 
     Each round runs, in this order: the fixed probes (one decode of `fixed_tokens` new tokens with
     each of: chains of depth 0, 1 and max, `FIXED_WIDTH` chains of depth 1 and of depth max) with
@@ -434,8 +468,8 @@ def measure_step_cost(
     `clock_kind`: see `step_clock`."""
     model, heads = decoder.model, decoder.heads
     dev = model.device
-    n_heads = heads.config.num_heads
-    kind = heads.config.kind
+    n_heads = heads.max_depth if max_depth is None else min(int(max_depth), heads.max_depth)
+    kind = drafter_kind(heads)
     rows = sorted({int(n) for n in verify_rows if n >= 1} | {1})
     contexts = sorted({int(c) for c in verify_contexts if c >= 0})
     if not contexts:
@@ -443,7 +477,7 @@ def measure_step_cost(
     if max(contexts) + max(rows) > model.max_seq_len:
         raise ValueError(f"context {max(contexts)} + {max(rows)} rows exceed the KV cache ({model.max_seq_len} positions); "
                          "load the model with a larger max_seq_len or measure shorter contexts")
-    widths = list(DRAFT_WIDTHS) if kind == "hydra" else [1]
+    widths = list(DRAFT_WIDTHS) if kind in PER_LEVEL else [1]
     draft_trees = {(d, w): TreeBuffers.compile(chains_tree(w, d)).to(dev) for d in range(n_heads + 1) for w in widths}
     probe_trees = [chains_tree(1, 0), chains_tree(1, 1), chains_tree(1, n_heads), chains_tree(FIXED_WIDTH, 1),
                    chains_tree(FIXED_WIDTH, n_heads)]
@@ -471,7 +505,7 @@ def measure_step_cost(
     fill_cache(model, contexts[0], gen)
     for n in rows:
         time_forward(model, contexts[0], n, gen, now)
-    h, root = _context_vector(model, heads, prompt)
+    h, root = prompt_context(model, heads, prompt)
     for buf in draft_trees.values():
         heads.propose(h, root, buf)
     def so_far(rounds: int) -> StepCostModel:
@@ -525,7 +559,7 @@ def measure_step_cost(
                 for n in rows:
                     verify_s[(ctx, n)].append(time_forward(model, ctx, n, gen, now))
                     done += 1
-        h, root = _context_vector(model, heads, prompt)
+        h, root = prompt_context(model, heads, prompt)
         p = probed()
         for key, buf in draft_trees.items():
             t0 = now()

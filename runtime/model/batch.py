@@ -134,12 +134,9 @@ class BatchTransformer:
         cos = self.rope_cos[pos].unsqueeze(1)
         sin = self.rope_sin[pos].unsqueeze(1)
         x = self.tok_embeddings(tok)
-        aux, where = self._aux_slots(), self._aux_index
-        for index, layer in enumerate(self.layers):
-            if aux is not None and index in where:
-                aux[where[index]] = x
-            x = layer.forward_batch(x, cos, sin, [it.cache.layers[index] for it in items], plans, bounds, prod)
-        self._keep_aux(aux, real)   # every item's real rows, item after item (`capture_aux`)
+        # captured features: every item's real rows, item after item (`capture_aux`)
+        x = self._run_layers(x, real, lambda i, layer, x: layer.forward_batch(
+            x, cos, sin, [it.cache.layers[i] for it in items], plans, bounds, prod))
         hidden = self.norm(x)
         logits = prod(self.output, hidden)[:real].float()
         for it in items:

@@ -526,12 +526,8 @@ class InvariantTransformer:
         cos = self.rope_cos[input_pos].unsqueeze(1)
         sin = self.rope_sin[input_pos].unsqueeze(1)
         x = self.tok_embeddings(tokens[0])
-        aux, index = self._aux_slots(), self._aux_index
-        for i, (layer, kv) in enumerate(zip(self.layers, self._layer_caches)):
-            if aux is not None and i in index:
-                aux[index[i]] = x
-            x = layer.forward_invariant(x, cos, sin, kv, plan)
-        self._keep_aux(aux, n)   # the real rows only
+        caches = self._layer_caches
+        x = self._run_layers(x, n, lambda i, layer, x: layer.forward_invariant(x, cos, sin, caches[i], plan))
         hidden = self.norm(x)
         # the lm_head too sees blocks of `rows` rows, so a token's logits do not depend on n
         if last_only:  # only the block holding the last token goes through the lm_head

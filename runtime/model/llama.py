@@ -23,7 +23,7 @@ Only torch is imported here (the runtime's dependency rule).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,19 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def qkv_into_cache(wqkv: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, start: int, n_heads: int,
+                   n_kv_heads: int, head_dim: int) -> Tensor:
+    """The rotated queries [n, n_heads, head_dim] of x [n, in] through the fused q/k/v product `wqkv`;
+    the rotated keys and the values go to slots start..start+n-1 of the layer cache kv [2, kv_heads,
+    slots, head_dim]."""
+    n = x.shape[0]
+    qkv = wqkv(x).view(n, n_heads + 2 * n_kv_heads, head_dim)
+    qk = apply_rope(qkv[:, : n_heads + n_kv_heads], cos, sin).to(x.dtype)
+    kv[0, :, start:start + n] = qk[:, n_heads:].transpose(0, 1)
+    kv[1, :, start:start + n] = qkv[:, n_heads + n_kv_heads:].transpose(0, 1)
+    return qk[:, :n_heads]
+
+
 class Attention(InvariantAttention, BatchAttention, nn.Module):
     """Grouped-query self-attention over one layer's KV cache (`forward`, through SDPA); the
     row-invariant and batched forwards over the same weights come from the mixins."""
@@ -135,16 +148,12 @@ class Attention(InvariantAttention, BatchAttention, nn.Module):
         (rows ordered group-major, see `Transformer._attention_mask`) or None = attend to everything."""
         n = x.shape[0]
         h, kvh, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x).view(n, h + 2 * kvh, hd)
-        qk = apply_rope(qkv[:, : h + kvh], cos, sin).to(x.dtype)
-        end = start + n
-        kv[0, :, start:end] = qk[:, h:].transpose(0, 1)
-        kv[1, :, start:end] = qkv[:, h + kvh:].transpose(0, 1)
+        qk, end = qkv_into_cache(self.wqkv, x, cos, sin, kv, start, h, kvh, hd), start + n
         # GQA without copying K/V: the query heads sharing a KV head are stacked along the query
         # axis, so attention runs per KV head over [groups*n] query rows.
         # (4-D inputs: SDPA's fused CPU kernel only takes those; 3-D ones fall back to the math path)
         groups = h // kvh
-        q = qk[:, :h].view(n, kvh, groups, hd).permute(1, 2, 0, 3).reshape(1, kvh, groups * n, hd)
+        q = qk.view(n, kvh, groups, hd).permute(1, 2, 0, 3).reshape(1, kvh, groups * n, hd)
         out = F.scaled_dot_product_attention(q, kv[None, 0, :, :end], kv[None, 1, :, :end], attn_mask=mask)
         out = out.view(kvh, groups, n, hd).permute(2, 0, 1, 3).reshape(n, h * hd)
         return self.wo(out)
@@ -361,14 +370,18 @@ class Transformer(InvariantTransformer, BatchTransformer, nn.Module):
         self._aux_index = {i: k for k, i in enumerate(ids)} or None
         self.aux_features = None
 
-    def _aux_slots(self) -> list[Tensor | None] | None:
-        """Where a forward collects its captured layer inputs (None: capture is off)."""
-        return None if self._aux_index is None else [None] * len(self.aux_layer_ids)
-
-    def _keep_aux(self, captured: list[Tensor | None] | None, rows: int) -> None:
-        """Publish a forward's captured layer inputs (its first `rows` rows) as `aux_features`."""
-        if captured is not None:
-            self.aux_features = torch.cat([x[:rows] for x in captured], dim=-1)
+    def _run_layers(self, x: Tensor, rows: int, layer_call: Callable[[int, nn.Module, Tensor], Tensor]) -> Tensor:
+        """x through every layer (`layer_call(i, layer i, x)`); with capture on, the inputs of the
+        `aux_layer_ids` layers (their first `rows` rows) become `aux_features`."""
+        index = self._aux_index
+        captured: list[Tensor] = [x] * (0 if index is None else len(index))
+        for i, layer in enumerate(self.layers):
+            if index is not None and i in index:
+                captured[index[i]] = x
+            x = layer_call(i, layer, x)
+        if index is not None:
+            self.aux_features = torch.cat([c[:rows] for c in captured], dim=-1)
+        return x
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -428,12 +441,8 @@ class Transformer(InvariantTransformer, BatchTransformer, nn.Module):
         sin = self.rope_sin[input_pos].unsqueeze(1)
 
         x = self.tok_embeddings(tokens[0])
-        aux, index = self._aux_slots(), self._aux_index
-        for i, (layer, kv) in enumerate(zip(self.layers, self._layer_caches)):
-            if aux is not None and i in index:
-                aux[index[i]] = x
-            x = layer(x, cos, sin, kv, start, attn_mask)
-        self._keep_aux(aux, n)
+        caches = self._layer_caches
+        x = self._run_layers(x, n, lambda i, layer, x: layer(x, cos, sin, caches[i], start, attn_mask))
         self._cache_len = start + n
         hidden = self.norm(x)
         logits = self.output(hidden[-1:] if last_only else hidden).float()

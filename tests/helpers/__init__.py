@@ -14,6 +14,11 @@
 * `step_cost`: a step-cost model from known costs;
 * `training`: a tiny transformers checkpoint for heads training, its prompts, self-distillation
   data and fresh heads (imported as `tests.helpers.training`);
+* `drafters`: EAGLE-3 drafters over a 3-layer tiny target in each arithmetic, random or briefly
+  trained (imported as `tests.helpers.drafters`);
+* `eagle3_folders`: an EAGLE-3 drafter for a model folder on disk (random or briefly trained), written
+  in this project's format, EAGLE's own layout or the speculators layout (imported as
+  `tests.helpers.eagle3_folders`);
 * `own_model`: Vicuna-layout and sharded-safetensors folders, published Hydra / Medusa heads;
 * `device_check`: `DeviceCheck`, which finds CPU tensors built next to CUDA ones without a GPU.
 

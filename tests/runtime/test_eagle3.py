@@ -1,6 +1,8 @@
 """The EAGLE-3 drafter (runtime/eagle3.py): its state is a function of the true prefix, its tree
 drafting equals a naive per-path autoregressive reference written here from the weights, the d2t
-mapping, its own file format and the refusal of malformed files."""
+mapping, the target's features from the very forward that verifies (`Transformer.capture_aux`, on
+every forward path), its rank paths along a known continuation (the rollout's), its own file format
+and the refusal of malformed files."""
 
 from __future__ import annotations
 
@@ -14,12 +16,20 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 
 from runtime.eagle3 import (
-    CONFIG_FILE, WEIGHTS_FILE, Eagle3Config, Eagle3Drafter, Eagle3Error, load_drafter, save_drafter, target_forward,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Eagle3Config,
+    Eagle3Drafter,
+    Eagle3Error,
+    load_drafter,
+    save_drafter,
+    target_forward,
 )
 from runtime.model import ModelArgs, Transformer
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import tiny_transformer
 from tests.helpers import trees as valid_trees
+from tests.helpers.drafters import random_eagle3
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,19 +46,7 @@ def tiny_target(seed: int = 0, n_layers: int = 4) -> Transformer:
 
 def random_drafter(model: Transformer, seed: int = 0, draft_vocab: int = DRAFT_VOCAB,
                    norm_before_residual: bool = False) -> Eagle3Drafter:
-    """Wide random weights (norms in [0.5, 1.5], the rest N(0, 0.3)) and a random draft vocabulary,
-    bound to `model`."""
-    cfg = Eagle3Config.for_model(model.args, draft_vocab_size=draft_vocab, aux_layer_ids=AUX,
-                                 norm_before_residual=norm_before_residual, rope_theta=5000.0)
-    g = torch.Generator().manual_seed(seed)
-    drafter = Eagle3Drafter(cfg)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if name.endswith("norm.weight")
-                    else torch.randn(p.shape, generator=g) * 0.3)
-    drafter.set_draft_vocab(torch.randperm(VOCAB, generator=g)[:draft_vocab].sort().values)
-    drafter.bind(model)
-    return drafter.eval()
+    return random_eagle3(model, seed, draft_vocab, AUX, norm_before_residual=norm_before_residual, rope_theta=5000.0)
 
 
 def prompt_inputs(model: Transformer, n: int = 9, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -266,6 +264,160 @@ def test_features_are_the_inputs_of_the_named_layers(tmp_path: Path) -> None:
     _, _, features = target_forward(model, ids, torch.arange(7), (0, 2, 3))
     want = torch.cat([states[0][0], states[2][0], states[3][0]], dim=-1)
     torch.testing.assert_close(features, want, rtol=1e-4, atol=1e-4)
+
+
+def _hook_features(model: Transformer, ids: torch.Tensor, aux: tuple[int, ...]) -> torch.Tensor:
+    """The inputs of layers `aux` in the plain forward over `ids` from an empty cache, caught by
+    forward pre-hooks on the layers (the reference the capture must match)."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = [model.layers[i].register_forward_pre_hook(
+        lambda _m, inputs, i=i: captured.__setitem__(i, inputs[0])) for i in aux]
+    try:
+        model.reset_cache()
+        model(ids, torch.arange(ids.shape[1]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat([captured[i] for i in aux], dim=-1)
+
+
+@pytest.mark.parametrize("arithmetic", ["plain", "padded", "kernel"])
+def test_the_forward_that_verifies_hands_over_the_features(arithmetic: str) -> None:
+    """`Transformer.capture_aux`: every forward path (plain, row-invariant with pad rows, small-row
+    kernel, forward_batch) leaves the inputs of the named layers for its real rows, in input order,
+    in the order the ids are given; a tree verify's row has AR's features for the same token bit for
+    bit in a row-invariant arithmetic; capture off keeps nothing."""
+    from runtime.model import BatchItem, small_rows
+
+    if arithmetic == "kernel" and not small_rows.available():
+        pytest.skip("the small-row kernels are not built here")
+    model = tiny_target()
+    if arithmetic == "kernel":
+        model.add_fast_paths()
+    aux = (3, 0, 2)   # any distinct layers, concatenated in the order given
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    tree = TREES[2]   # 7 nodes: padded to 8 rows in blocks of 4
+    buf = TreeBuffers.compile(tree)
+    nodes = torch.randint(0, VOCAB, (buf.num_nodes,), generator=torch.Generator().manual_seed(5))
+    # the reference: each node's features from a plain forward over the prompt and its path
+    want = torch.stack([_hook_features(model, torch.cat([ids[0], nodes[buf.node_paths[i, :d + 1]]])[None], aux)[-1]
+                        for i, d in enumerate(buf.depths.tolist())])
+    prompt_want = _hook_features(model, ids, aux)
+    if arithmetic != "plain":
+        model.set_row_invariance(4)
+
+    model.capture_aux(aux)
+    model.reset_cache()
+    model(ids, torch.arange(9), last_only=True)
+    torch.testing.assert_close(model.aux_features, prompt_want, rtol=0, atol=0)   # the prefill: one path for all
+    model(nodes[None], 9 + buf.depths, buf.attn_mask, ancestors=buf.ancestor_lists)
+    verify = model.aux_features
+    assert verify.shape == (buf.num_nodes, 3 * 32)
+    torch.testing.assert_close(verify, want, rtol=1e-5, atol=1e-5)
+    if arithmetic != "plain":
+        # row invariance: AR's one-token forwards along each node's path give the same bits
+        for i, d in enumerate(buf.depths.tolist()):
+            model.truncate_cache(9)
+            for j, node in enumerate(buf.node_paths[i, :d + 1].tolist()):   # the root, then the path
+                model(nodes[node].view(1, 1), torch.tensor([9 + j]))
+            assert torch.equal(model.aux_features[0], verify[i]), f"node {i}"
+        # forward_batch: each item's rows, item after item, as each alone
+        caches = [model.new_cache(), model.new_cache()]
+        for cache, n in zip(caches, (9, 5)):
+            model.use_cache(cache)
+            model(ids[:, :n], torch.arange(n))
+        chain = TreeBuffers.compile(TREES[0])
+        items = [BatchItem(caches[0], nodes, 9 + buf.depths, buf.ancestor_lists),
+                 BatchItem(caches[1], nodes[:chain.num_nodes], 5 + chain.depths, chain.ancestor_lists)]
+        model.forward_batch(items)
+        batch = model.aux_features
+        assert batch.shape == (buf.num_nodes + chain.num_nodes, 3 * 32)
+        assert torch.equal(batch[:buf.num_nodes], verify)
+        model.use_cache(caches[1])
+        model.truncate_cache(5)
+        model(nodes[None, :chain.num_nodes], 5 + chain.depths, chain.attn_mask, ancestors=chain.ancestor_lists)
+        assert torch.equal(batch[buf.num_nodes:], model.aux_features)
+    # target_forward reads the same capture, and restores the model's own setting
+    model.capture_aux(None)
+    model.reset_cache()
+    _, _, features = target_forward(model, ids, torch.arange(9), (0, 2, 3))
+    torch.testing.assert_close(features, _hook_features(model, ids, (0, 2, 3)), rtol=0, atol=0)
+    assert model.aux_layer_ids == () and model.aux_features is None
+    model(ids[:, :1], torch.tensor([9]))
+    assert model.aux_features is None   # capture off keeps nothing
+    with pytest.raises(ValueError, match="distinct ids"):
+        model.capture_aux((1, 1))
+    with pytest.raises(ValueError, match="layers 0..3"):
+        model.capture_aux((4,))
+
+
+def _true_path_tree(ranks: list[int]) -> tuple[Tree, list[tuple[int, ...]]]:
+    """A tree holding, at each depth, every rank up to the true token's below the true path (the
+    path by those ranks), and that path's nodes."""
+    paths, path, on_path = [], (), []
+    for r in ranks:
+        paths += [path + (k,) for k in range(r + 1)]
+        path = path + (r,)
+        on_path.append(path)
+    return Tree(paths), on_path
+
+
+def test_rank_paths_rank_the_true_tokens_as_propose_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rank_paths[t, d-1] is the index of the true token x_{t+1+d} among the depth-d children that
+    `propose_scored` drafts below the true path from position t (the tree wide enough to hold it),
+    top1 the probability of the rank-0 child there; the greedy variant follows `propose`'s chain."""
+    from runtime import eagle3
+
+    model = tiny_target()
+    drafter = random_drafter(model)
+    drafter.bind(model, capacity=512)
+    n, depth = 14, 4
+    x = torch.randint(0, VOCAB, (n + 1,), generator=torch.Generator().manual_seed(6))
+    model.reset_cache()
+    _, _, features = target_forward(model, x[None, :n], torch.arange(n), AUX)
+    nxt = x[1:]
+    ranks, top1 = drafter.rank_paths(features, nxt, depth=depth)
+    greedy_ranks, greedy_top1 = drafter.rank_paths(features, nxt, depth=depth, greedy=True)
+    assert ranks.shape == top1.shape == (n, depth) and drafter.length == 0   # its own cache left alone
+    t, d = torch.meshgrid(torch.arange(n), torch.arange(1, depth + 1), indexing="ij")
+    assert torch.equal(ranks < 0, t + 1 + d > n) and torch.equal(greedy_ranks < 0, t + 1 + d > n)
+    assert torch.equal(greedy_top1[:, 0], top1[:, 0])
+    checked = 0
+    for pos in range(n - 1):
+        drafter.reset()
+        h = drafter.extend(features[:pos + 1], nxt[:pos + 1])
+        root = int(nxt[pos])   # x_{pos+1}
+        along = []
+        for dd in range(depth):
+            r = int(ranks[pos, dd])
+            if r < 0:
+                break
+            if r == DRAFT_VOCAB:   # not in the draft vocabulary: never drafted, deeper nodes unreachable
+                assert not bool(drafter.t2d[nxt[pos + dd + 1]])
+                break
+            along.append(r)
+        tree, on_path = _true_path_tree(along)
+        tokens, probs = drafter.propose_scored(h, root, TreeBuffers.compile(tree))
+        order = {p: i for i, p in enumerate(tree.paths, start=1)}
+        for dd, node in enumerate(on_path, start=1):
+            assert int(tokens[order[node]]) == int(nxt[pos + dd]), f"position {pos} depth {dd}"
+            first = order[node[:-1] + (0,)]
+            assert float(probs[first]) == pytest.approx(float(top1[pos, dd - 1]), rel=1e-4, abs=1e-6)
+            checked += 1
+        _, chain_probs = drafter.propose_scored(h, root, TreeBuffers.compile(Tree.chain(depth)))
+        live = min(depth, n - 1 - pos)
+        torch.testing.assert_close(chain_probs[1:live + 1], greedy_top1[pos, :live], rtol=1e-4, atol=1e-6)
+    assert checked >= 20, "too few depths checked: the random drafter's true tokens fell off its vocabulary"
+
+    # from `first` on, in chunks of query rows, and the rollout's view (capped, with the greedy chain)
+    monkeypatch.setattr(eagle3, "RANK_CHUNK", 4)
+    r5, p5 = drafter.rank_paths(features, nxt, depth=depth, first=5)
+    assert torch.equal(r5, ranks[5:])
+    torch.testing.assert_close(p5, top1[5:], rtol=1e-5, atol=1e-6)
+    capped, head_top1, chain_top1 = drafter.rollout_arrays(features, nxt, 5, depth, 8)
+    assert torch.equal(capped, torch.where(ranks[5:] < 0, 8, ranks[5:].clamp(max=8)))
+    torch.testing.assert_close(head_top1, top1[5:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chain_top1, greedy_top1[5:], rtol=1e-5, atol=1e-6)
 
 
 def test_inputs_and_targets_are_checked() -> None:

@@ -1,4 +1,5 @@
-"""Converting a `heads.dir` folder: published Hydra / Hydra++ / Medusa-1 folders, converted once.
+"""Converting a `heads.dir` folder: published Hydra / Hydra++ / Medusa-1 folders and EAGLE-3
+drafters, converted once.
 
 `heads.dir=<folder>` accepts either
 * a folder in this project's format (`config.json` with `format: entmtp-heads` + `heads.safetensors`,
@@ -9,7 +10,15 @@
   mismatch is an error), checked against the base model (hidden size, vocabulary, and the copy of
   the base token embeddings a Hydra file carries), and written in the project's format under
   `artifacts/heads/<model>/<name>/` with its provenance (source folder, checkpoint file and its
-  SHA-256) in the stage manifest. Every later stage reads that folder.
+  SHA-256) in the stage manifest. Every later stage reads that folder; or
+* an EAGLE-3 drafter (`heads=eagle3`): one in this project's format (`format: entmtp-eagle3`,
+  `runtime.eagle3.save_drafter`), checked against the base model and used as it is, or one in EAGLE's
+  own or the speculators layout, converted once in the same way by `pipeline.heads.eagle3_import.
+  import_eagle3` (`import_heads` hands it over).
+
+Heads whose output layer is their own (published Hydra / Medusa, project heads with output own or
+draft, EAGLE-3 drafters with their d2t) take no frequency-ranked draft vocabulary (`own_output_reason`):
+the heads stage skips it for them.
 
 `export_published_hydra` writes project heads in the published Hydra layout (the reverse): used to
 check the converter against heads whose drafts are known, and to hand heads to Hydra's own code.
@@ -34,6 +43,10 @@ if TYPE_CHECKING:  # torch only where weights are read: using project heads as t
 
 PUBLISHED_KINDS = ("hydra", "medusa")
 STAGE = "heads_import"   # the manifest's stage name: marks a folder this module may rebuild
+# `runtime.eagle3.FORMAT`, the format tag of a drafter folder of ours (not imported: that module needs torch)
+DRAFTER_FORMAT = "entmtp-eagle3"
+# EAGLE-3 folder kinds: ours (used as it is), EAGLE's own layout and the speculators layout (converted)
+EAGLE3_FOLDERS = ("eagle3", "eagle3_eagle", "eagle3_speculators")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -47,22 +60,72 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def heads_folder_kind(folder: str | Path) -> str:
-    """"project" (our format), "hydra" or "medusa" (published layouts); raises for anything else."""
+    """"project" (our format), "hydra" or "medusa" (published layouts), or an EAGLE-3 drafter:
+    "eagle3" (our format), "eagle3_eagle" (EAGLE's own layout: a LlamaConfig with draft_vocab_size)
+    or "eagle3_speculators" (speculators_model_type); raises for anything else."""
     folder = Path(folder)
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"heads.dir={folder} holds no config.json: expected project heads (config.json + "
-                                f"heads.safetensors) or a published Hydra/Medusa folder (config.json + "
-                                f"{HYDRA_WEIGHTS} or {' / '.join(MEDUSA_WEIGHTS)})")
+                                f"heads.safetensors), a published Hydra/Medusa folder (config.json + "
+                                f"{HYDRA_WEIGHTS} or {' / '.join(MEDUSA_WEIGHTS)}) or an EAGLE-3 drafter "
+                                "(config.json + drafter.safetensors / model.safetensors / pytorch_model.bin)")
     cfg = _read_json(cfg_file)
     if cfg.get("format") == FORMAT:
         return "project"
+    if cfg.get("format") == DRAFTER_FORMAT:
+        return "eagle3"
     if "hydra_num_heads" in cfg:
         return "hydra"
     if "medusa_num_heads" in cfg:
         return "medusa"
-    raise ValueError(f"{cfg_file} is neither project heads (format: {FORMAT}) nor a published Hydra "
-                     "(hydra_num_heads) or Medusa (medusa_num_heads) config")
+    if "speculators_model_type" in cfg:
+        return "eagle3_speculators"
+    if "draft_vocab_size" in cfg:
+        return "eagle3_eagle"
+    raise ValueError(f"{cfg_file} is neither project heads (format: {FORMAT}), a published Hydra "
+                     "(hydra_num_heads) or Medusa (medusa_num_heads) config, nor an EAGLE-3 drafter's (format: "
+                     f"{DRAFTER_FORMAT}, speculators_model_type, or EAGLE's draft_vocab_size)")
+
+
+def folder_own_output(folder: str | Path) -> str | None:
+    """What the heads in `folder` are when their output layer is their own (a published Hydra /
+    Medusa folder, project heads with output own / draft, an EAGLE-3 drafter), None when they share
+    the base lm_head. Raises as `heads_folder_kind` for a folder that holds no heads."""
+    folder = Path(folder)
+    kind = heads_folder_kind(folder)
+    if kind in EAGLE3_FOLDERS:
+        return "an EAGLE-3 drafter (its own lm_head over its draft vocabulary, mapped by d2t)"
+    if kind != "project":
+        return f"a published {kind} folder (one output layer per head)"
+    output = _read_json(folder / "config.json").get("output", "shared")
+    return None if output == "shared" else f"project heads with output={output!r}"
+
+
+def own_output_reason(heads: Any) -> str | None:
+    """Why the heads of the `heads` config group (a mapping) take no frequency-ranked draft
+    vocabulary (`heads.draft_vocab`), which restricts the base lm_head that heads share: their
+    output layer is their own (kind eagle3, `output` other than shared, or a `heads.dir` folder
+    whose heads have their own, whatever the config says). None when the vocabulary applies. A
+    `heads.dir` that cannot be read counts as shared here (start-up validation reports it)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    if heads.get("kind") == "eagle3":
+        return "heads.kind=eagle3: an EAGLE-3 drafter has its own output layer (d2t)"
+    output = heads.get("output", "shared")
+    if output != "shared":
+        return f"heads.output={output}: the heads have their own output layers"
+    try:
+        folder = heads.get("dir")
+    except MissingMandatoryValue:
+        return None
+    if not folder:
+        return None
+    try:
+        what = folder_own_output(Path(str(folder)))
+    except (OSError, ValueError):
+        return None
+    return None if what is None else f"heads.dir={folder} holds {what}"
 
 
 def published_checkpoint(folder: Path, kind: str) -> Path:
@@ -166,21 +229,33 @@ def convert_published(src: Path, model_dir: Path, out: Path) -> dict[str, Any]:
     }
 
 
-def import_heads(src: str | Path, model_dir: str | Path, out: str | Path, force: bool = False) -> Path:
+def check_import_target(out: Path) -> None:
+    """Refuse to convert into a folder that holds heads this module did not write."""
+    manifest = out / "manifest.json"
+    if out.exists() and (not manifest.is_file() or _read_json(manifest).get("stage") != STAGE):
+        raise ValueError(f"{out} holds other heads (trained or shipped, not converted from a published folder); "
+                         f"give the converted heads their own name, e.g. heads.name={out.name}_published")
+
+
+def import_heads(src: str | Path, model_dir: str | Path, out: str | Path, force: bool = False,
+                 aux_convention: str | None = None) -> Path:
     """The heads folder every stage uses for `heads.dir=src`: `src` itself when it is in the
     project's format, else its conversion in `out` (built once; rebuilt when the checkpoint, its
-    config or the base model change)."""
+    config or the base model change). EAGLE-3 drafters go to `pipeline.heads.eagle3_import.
+    import_eagle3` (`aux_convention`: what a published file's layer ids mean; EAGLE-3 only)."""
     src, model_dir, out = Path(src), Path(model_dir), Path(out)
     kind = heads_folder_kind(src)
+    if kind in EAGLE3_FOLDERS:
+        return _import_eagle3(src, kind, model_dir, out, aux_convention, force)
+    if aux_convention is not None:
+        raise ValueError(f"heads.aux_convention={aux_convention} names EAGLE-3 layer ids, but heads.dir={src} holds "
+                         f"{kind} heads; set heads.aux_convention=null")
     if kind == "project":
         if not (src / "heads.safetensors").is_file():
             raise FileNotFoundError(f"heads.dir={src} has a project config.json but no heads.safetensors")
         return src
     checkpoint = published_checkpoint(src, kind)
-    manifest = out / "manifest.json"
-    if out.exists() and (not manifest.is_file() or _read_json(manifest).get("stage") != STAGE):
-        raise ValueError(f"{out} holds other heads (trained or shipped, not converted from a published folder); "
-                         f"give the converted heads their own name, e.g. heads.name={out.name}_published")
+    check_import_target(out)
     key = {
         "source": str(src.resolve()),
         "checkpoint": checkpoint.name,
@@ -189,6 +264,34 @@ def import_heads(src: str | Path, model_dir: str | Path, out: str | Path, force:
         "base_fingerprint": weights_fingerprint(model_dir),
     }
     run_stage(STAGE, out, key, lambda tmp: convert_published(src, model_dir, tmp), force=force)
+    return out
+
+
+def _import_eagle3(src: Path, kind: str, model_dir: Path, out: Path, aux_convention: str | None, force: bool) -> Path:
+    """`import_heads` for an EAGLE-3 drafter (`heads=eagle3`): `src` itself when it is in our format
+    (checked against the base model: hidden size, vocabulary, layer ids), else its conversion into
+    `out` (`pipeline.heads.eagle3_import.convert_eagle3`), built once and rebuilt when the weights,
+    the config, the layer-id convention or the base model change, with the source's checksums in
+    the manifest."""
+    from pipeline.heads.eagle3_import import (check_own_drafter, convert_eagle3, folder_layout, resolved_convention,
+                                              weight_files)
+
+    if kind == "eagle3":
+        check_own_drafter(src, model_dir, aux_convention)
+        return src
+    layout = folder_layout(kind)
+    convention = resolved_convention(layout, aux_convention)
+    check_import_target(out)
+    key = {
+        "source": str(src.resolve()),
+        "layout": layout,
+        "checkpoint_sha256": {f.name: file_sha256(f) for f in weight_files(src)},
+        "config_sha256": hash_bytes((src / "config.json").read_bytes()),
+        "aux_convention": convention,
+        "base_fingerprint": weights_fingerprint(model_dir),
+    }
+    run_stage(STAGE, out, key, lambda tmp: convert_eagle3(src, model_dir, tmp, layout, convention, _base_embeddings),
+              force=force)
     return out
 
 

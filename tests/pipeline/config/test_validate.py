@@ -269,6 +269,8 @@ REQUIRED = {
     "heads/published_hydra_pp": ["heads.dir={hydra_heads}"],
     "heads/published_hydra": ["heads.dir={hydra_heads}"],
     "heads/published_medusa": ["heads.dir={medusa_heads}"],
+    # dir: ??? (the drafter's folder: here a speculators config.json)
+    "heads/eagle3": ["heads.dir={eagle3_drafter}"],
 }
 
 # The launcher plugins' own config nodes (what each of our launcher files extends), for plugins this
@@ -327,12 +329,13 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def stand_ins(tmp_path: Path) -> dict[str, str]:
-    """A model folder and published Hydra / Medusa heads folders that pass start-up validation
+    """A model folder, published Hydra / Medusa heads folders and an EAGLE-3 drafter folder that pass start-up validation
     (which checks only their files' presence and the heads config's kind keys)."""
     import json
 
     out = {"model": str(_fake_model_dir(tmp_path))}
-    for key, conf in (("hydra_heads", {"hydra_num_heads": 4, "hydra_num_layers": 4}), ("medusa_heads", {"medusa_num_heads": 5})):
+    for key, conf in (("hydra_heads", {"hydra_num_heads": 4, "hydra_num_layers": 4}), ("medusa_heads", {"medusa_num_heads": 5}),
+                      ("eagle3_drafter", {"speculators_model_type": "eagle3"})):
         d = tmp_path / key
         d.mkdir()
         (d / "config.json").write_text(json.dumps(conf))
@@ -418,6 +421,7 @@ UNSET_MESSAGE = {
     **{f"heads/published_{kind}": (f"heads.dir is required for heads.name={kind}_published (published heads, imported "
                                    "from their folder); pass heads.dir=/path/to/the/downloaded/folder")
        for kind in ("hydra_pp", "hydra", "medusa")},
+    "heads/eagle3": ("heads.dir is required for heads=eagle3: an EAGLE-3 drafter is imported from its folder"),
 }
 
 
