@@ -40,7 +40,7 @@ def _load(spec: RuntimeSpec):
     import torch
 
     from runtime.heads import load_heads
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     model = load_model(spec.model_dir, dtype=getattr(torch, spec.dtype), max_seq_len=spec.max_seq_len, device=spec.device)
     rows = spec.invariant_rows

@@ -25,7 +25,8 @@ from runtime.device import clock, resolve_device, torch_dtype
 from runtime.dynamic import DynamicPolicy
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import load_heads
-from runtime.model import Transformer, load_model, load_tokenizer
+from runtime.model.llama import Transformer
+from runtime.model.checkpoint import load_model, load_tokenizer
 from runtime.policy import BatchScheduler, Scheduler, policy_from_dict
 from runtime.sampling import Sampler, SamplingConfig
 

@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from runtime.device import clock
-from runtime.model import BatchItem, Transformer, load_model, load_tokenizer
+from runtime.model.batch import BatchItem
+from runtime.model.llama import Transformer
+from runtime.model.checkpoint import load_model, load_tokenizer
 from runtime.sampling import RowPositions, Sampler
 
 __all__ = ["ar_generate", "ar_generate_batch", "load_model", "load_tokenizer", "main"]

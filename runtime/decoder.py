@@ -38,7 +38,9 @@ import torch
 
 from runtime.device import clock
 from runtime.dynamic import DYNAMIC_TREE, DynamicPolicy
-from runtime.model import BatchItem, KVCache, Transformer
+from runtime.model.batch import BatchItem
+from runtime.model.cache import KVCache
+from runtime.model.llama import Transformer
 from runtime.policy import SIGNALS, BatchScheduler, Scheduler
 from runtime.sampling import RowPositions, Sampler
 from runtime.tree import TreeBuffers

@@ -29,7 +29,7 @@ from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, TASKS, median, wr
 from pipeline.prepare.render import task_prompts
 from runtime.ar import ar_generate
 from runtime.device import clock
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 
 # An engine runs one greedy generation and returns (tokens, seconds to first token, total seconds).
 Engine = Callable[[list[int], int], tuple[list[int], float, float]]

@@ -25,7 +25,7 @@ import torch
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, write_csv
 from pipeline.timing.curves import measure_cost_curves
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 
 def _lookup(rows: list[dict[str, Any]], stat: str = "median_ms") -> dict[tuple[str, int, int], float]:
     return {(r["dtype"], r["context"], r["new_tokens"]): r[stat] for r in rows}

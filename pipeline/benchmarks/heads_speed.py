@@ -24,7 +24,7 @@ from runtime.decoder import TreeDecoder
 from runtime.device import clock
 from runtime.ar import ar_generate
 from runtime.heads import load_heads
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 from runtime.tree import Tree, TreeBuffers
 
 

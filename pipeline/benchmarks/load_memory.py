@@ -36,7 +36,7 @@ def _status_kb(field: str) -> int:
 def _child(model_dir: str, dtype: str) -> dict[str, Any]:
     import torch
 
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     base_kb = _status_kb("VmRSS")
     model = load_model(model_dir, dtype=getattr(torch, dtype), max_seq_len=16, fast_paths=False)

@@ -42,7 +42,7 @@ from runtime.bank import TopologyBank
 from runtime.decoder import TreeDecoder
 from runtime.ar import ar_generate
 from runtime.heads import load_heads
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 from runtime.policy import Scheduler, policy_from_dict
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,8 @@ import torch
 from runtime.decoder import _top1_and_entropy, greedy_chain_top1
 from runtime.dynamic import DynamicPolicy
 from runtime.heads import DraftHeads, HeadsConfig
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.policy import (ExpectedThroughputPolicy, HysteresisPolicy, LadderPolicy, Policy, Scheduler, StaticPolicy,
                             policy_from_dict)
 from runtime.tree import TREES_DIR, Tree, TreeBuffers

@@ -29,7 +29,8 @@ import torch
 from pipeline.artifacts import atomic_write_json, machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, median, write_csv
 from runtime.model import small_rows
-from runtime.model import Transformer, load_model
+from runtime.model.llama import Transformer
+from runtime.model.checkpoint import load_model
 
 
 def forward_ms(model: Transformer, context: torch.Tensor, rows: int, gen: torch.Generator) -> float:

@@ -41,7 +41,8 @@ from runtime.decoder import TreeDecoder
 from runtime.device import clock
 from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, load_heads
-from runtime.model import Transformer, load_model
+from runtime.model.llama import Transformer
+from runtime.model.checkpoint import load_model
 from runtime.tree import TREES_DIR, Tree, TreeBuffers
 
 DEFAULT_HEADS_DIR = Layout.for_model("artifacts", default_model_name()).heads_dir("hydra")

@@ -33,7 +33,7 @@ import torch
 
 from runtime.decoder import TreeDecoder, TypicalAcceptance
 from runtime.heads import DraftHeads
-from runtime.model import Transformer
+from runtime.model.llama import Transformer
 from runtime.sampling import SamplingConfig, process_logits
 from runtime.tree import TreeBuffers
 

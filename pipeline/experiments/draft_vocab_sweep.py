@@ -44,7 +44,8 @@ from pipeline.replay.accept import replay_tokens_per_step
 from runtime.decoder import TreeDecoder
 from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, draft_arithmetics, load_heads
-from runtime.model import Transformer, load_model
+from runtime.model.llama import Transformer
+from runtime.model.checkpoint import load_model
 from runtime.tree import Tree, TreeBuffers
 
 RANK_CAP = 10

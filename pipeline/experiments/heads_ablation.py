@@ -46,7 +46,8 @@ from pipeline.paths import CONF_DIR, REPO_ROOT, Layout, default_model_name
 from pipeline.prepare import read_split
 from pipeline.config.schema import TRAIN_TASKS, TrainSettings
 from runtime.heads import DraftHeads
-from runtime.model import ModelArgs, load_model
+from runtime.config import ModelArgs
+from runtime.model.checkpoint import load_model
 
 log = logging.getLogger(__name__)
 

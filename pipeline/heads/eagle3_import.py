@@ -65,7 +65,8 @@ from runtime.eagle3 import (
     Eagle3Config, Eagle3Drafter, Eagle3Error, build_drafter, check_vocab_maps, default_aux_layer_ids, rope_from_hf,
 )
 from runtime.io import atomic_write_bytes
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 
 ORIGINAL, SPECULATORS = "eagle", "speculators"
 LAYOUTS = (ORIGINAL, SPECULATORS)

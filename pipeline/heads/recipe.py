@@ -115,7 +115,7 @@ def train_heads(heads_cfg: dict[str, Any], model_dir: Path, data_dir: Path, arti
         from pipeline.heads.report import evaluate_heads, format_report
         from pipeline.heads.train import draft_vocabulary, train_loop
         from runtime.heads import DraftHeads, save_heads
-        from runtime.model import load_model
+        from runtime.model.checkpoint import load_model
 
         train_rows, hold_rows = rows()
         t0, c0 = time.time(), time.process_time()

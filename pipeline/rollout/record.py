@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from runtime.ar import ar_generate
 from runtime.decoder import Drafter
 from runtime.eagle3 import target_forward
-from runtime.model import Transformer
+from runtime.model.llama import Transformer
 from runtime.sampling import Sampler
 
 ARRAYS = ("tokens", "rank_paths", "p0", "entropy", "head_top1", "greedy_top1", "tf_mismatch")

@@ -31,7 +31,7 @@ from pipeline.bank.dynamic import (
 from runtime.decoder import Drafter
 from runtime.eagle3 import Eagle3Drafter, target_forward
 from runtime.heads import DraftHeads
-from runtime.model import Transformer
+from runtime.model.llama import Transformer
 from runtime.tree import TreeBuffers
 
 SCORES_FILE, SCORES_META = "scores.safetensors", "scores.json"

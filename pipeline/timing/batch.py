@@ -35,7 +35,9 @@ import torch
 from pipeline.timing.step_cost import (StepCostModel, _interp, error_pct, fill_cache, nondecreasing,
                                        timing_tree_ancestors)
 from runtime.decoder import TreeDecoder
-from runtime.model import BatchItem, KVCache, Transformer
+from runtime.model.batch import BatchItem
+from runtime.model.cache import KVCache
+from runtime.model.llama import Transformer
 from runtime.sampling import Sampler
 from runtime.tree import Tree
 

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.timing.step_cost import fill_cache, time_forward
 from runtime.device import clock
-from runtime.model import Transformer
+from runtime.model.llama import Transformer
 
 WARMUP = 2
 

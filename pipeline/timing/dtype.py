@@ -23,7 +23,7 @@ def pick_decode_dtype(model_dir: str | Path, sizes: tuple[int, ...] = (1, 8, 16)
     import torch
 
     from pipeline.timing.curves import measure_cost_curves
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     models = {d: load_model(model_dir, dtype=getattr(torch, d), max_seq_len=context + max(sizes) + 1) for d in CANDIDATES}
     for m in models.values():

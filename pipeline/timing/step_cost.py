@@ -59,7 +59,7 @@ import torch
 from pipeline.artifacts import atomic_write_json
 from runtime.decoder import Drafter, TreeDecoder
 from runtime.device import clock
-from runtime.model import Transformer
+from runtime.model.llama import Transformer
 from runtime.sampling import Sampler
 from runtime.tree import Tree, TreeBuffers
 

@@ -8,10 +8,19 @@ small-row CPU kernels and Hugging Face checkpoint reading.
 * `small_rows`: the float32 CPU kernels for a decode step's few rows (`csrc/small_rows.c`).
 """
 
-from runtime.config import ModelArgs
-from runtime.model.batch import BatchItem
-from runtime.model.cache import KVCache
-from runtime.model.checkpoint import load_model, load_tokenizer
-from runtime.model.llama import Transformer
+from typing import Any
 
-__all__ = ["BatchItem", "KVCache", "ModelArgs", "Transformer", "load_model", "load_tokenizer"]
+# where each public name lives; imported on first use, so that importing `runtime.model.small_rows`
+# (the kernel id an up-to-date check reads) does not load torch
+_HOMES = {"BatchItem": "runtime.model.batch", "KVCache": "runtime.model.cache", "ModelArgs": "runtime.config",
+          "Transformer": "runtime.model.llama", "load_model": "runtime.model.checkpoint",
+          "load_tokenizer": "runtime.model.checkpoint"}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'runtime.model' has no attribute {name!r}")

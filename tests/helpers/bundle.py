@@ -88,7 +88,7 @@ def make_tiny_heads(model_dir: Path, folder: Path, seed: int = 1, kind: str = "h
                     prefix_layer: bool = True, block_scale: float = 0.5) -> Path:
     """Random Hydra(++) heads for the model in `model_dir`, saved with `save_heads`."""
     from runtime.heads import DraftHeads, HeadsConfig, save_heads
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     model = load_model(model_dir, max_seq_len=64)
     config = HeadsConfig.for_model(model.args, kind=kind, num_heads=num_heads, prefix_layer=prefix_layer,

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from runtime.ar import ar_generate
 from runtime.eagle3 import Eagle3Config, Eagle3Drafter, target_forward
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.sampling import Sampler, SamplingConfig
 from tests.helpers.models import random_prompts, tiny_transformer
 

@@ -11,7 +11,8 @@ import torch
 
 from runtime.ar import ar_generate
 from runtime.eagle3 import Eagle3Drafter, save_drafter, target_forward
-from runtime.model import Transformer, load_model
+from runtime.model.llama import Transformer
+from runtime.model.checkpoint import load_model
 from tests.helpers.drafters import fit_depth1, random_eagle3
 from tests.helpers.models import random_prompts
 

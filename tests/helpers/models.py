@@ -8,7 +8,9 @@ import torch
 from hypothesis import strategies as st
 
 from runtime.heads import DraftHeads, HeadsConfig
-from runtime.model import ModelArgs, Transformer, small_rows
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
+from runtime.model import small_rows
 from runtime.tree import Tree
 
 # a chain, Medusa/Hydra's default tree, a small branching tree and the root alone

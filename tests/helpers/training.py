@@ -50,7 +50,7 @@ def selfdistill(tiny_dir: Path, tmp: Path, n: int = 10) -> list[dict]:
 
 def make_heads(tiny_dir: Path, **kw) -> DraftHeads:  # noqa: ANN003 - HeadsConfig.for_model's settings
     """Fresh heads (HeadsConfig.for_model(**kw)) bound to the checkpoint, outputs from the base."""
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     model = load_model(tiny_dir, max_seq_len=64)
     torch.manual_seed(0)

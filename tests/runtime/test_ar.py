@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.ar import ar_generate, main
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 from tests.helpers import random_hf_causal_lm
 
 TINY_CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.decoder import TreeDecoder
-from runtime.model import BatchItem
+from runtime.model.batch import BatchItem
 from runtime.policy import HysteresisPolicy, Scheduler
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.tree import Tree, TreeBuffers

@@ -263,7 +263,7 @@ def test_load_heads_and_entmtp_load_recognise_a_drafter_folder(tmp_path: Path) -
 
     from runtime.api import EntMTP
     from runtime.heads import load_heads
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
     from tests.helpers import make_tiny_bank, random_hf_causal_lm
 
     vocab = 64

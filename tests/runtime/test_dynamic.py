@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from runtime.decoder import TreeDecoder, TypicalAcceptance
 from runtime.dynamic import DYNAMIC_TREE, Calibration, DynamicPolicy
 from runtime.ar import ar_generate
-from runtime.model import Transformer
+from runtime.model.llama import Transformer
 from runtime.policy import ExpectedThroughputPolicy, BatchScheduler, Scheduler
 from runtime.sampling import Sampler, SamplingConfig
 from runtime.tree import Tree, TreeBuffers, TreeError

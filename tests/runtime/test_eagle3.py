@@ -25,7 +25,8 @@ from runtime.eagle3 import (
     save_drafter,
     target_forward,
 )
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import tiny_transformer
 from tests.helpers import trees as valid_trees
@@ -250,7 +251,7 @@ def test_trees_given_as_paths_and_stop_after() -> None:
 
 def test_features_are_the_inputs_of_the_named_layers(tmp_path: Path) -> None:
     """target_forward's feature id i is Hugging Face's output_hidden_states[i] (our convention)."""
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
     from tests.helpers import random_hf_causal_lm
 
     hf = random_hf_causal_lm("llama", dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -287,7 +288,8 @@ def test_the_forward_that_verifies_hands_over_the_features(arithmetic: str) -> N
     kernel, forward_batch) leaves the inputs of the named layers for its real rows, in input order,
     in the order the ids are given; a tree verify's row has AR's features for the same token bit for
     bit in a row-invariant arithmetic; capture off keeps nothing."""
-    from runtime.model import BatchItem, small_rows
+    from runtime.model.batch import BatchItem
+    from runtime.model import small_rows
 
     if arithmetic == "kernel" and not small_rows.available():
         pytest.skip("the small-row kernels are not built here")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from runtime.heads import DraftHeads, HeadsConfig, check_base_fingerprint, load_heads, save_heads
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import tiny_transformer
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from runtime.decoder import TreeDecoder, TypicalAcceptance
 from runtime.ar import ar_generate
-from runtime.model import Transformer
+from runtime.model.llama import Transformer
 from runtime.policy import LadderPolicy, Scheduler
 from runtime.sampling import (RowPositions, Sampler, SamplingConfig, gumbel_noise, keyed_argmax,
                               process_logits)
@@ -405,7 +405,7 @@ def test_default_model_seeded_tree_sampling_equals_seeded_ar(smollm2_dir, kind: 
     tokens/step per tree at T = 0, 0.7 and 1.0 (run with -s to see them)."""
     from runtime.api import render_chat
     from runtime.heads import load_heads
-    from runtime.model import load_model, load_tokenizer
+    from runtime.model.checkpoint import load_model, load_tokenizer
 
     heads_dir = smollm2_dir.parent.parent / "heads" / smollm2_dir.name / kind
     if not (heads_dir / "config.json").is_file():

@@ -30,7 +30,8 @@ import torch
 from runtime.decoder import TreeDecoder
 from runtime.device import clock
 from runtime.heads import DraftHeads, HeadsConfig
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.policy import LadderPolicy, Scheduler, Signal, greedy_path_value
 from runtime.tree import Tree, TreeBuffers
 
@@ -350,7 +351,7 @@ def test_smollm2_2000_tokens_switching_every_step(smollm2_dir: Path) -> None:
     the first 200 tokens are also compared with sequential AR decoding, the definition."""
     from runtime.api import render_chat
     from runtime.ar import ar_generate
-    from runtime.model import load_model, load_tokenizer
+    from runtime.model.checkpoint import load_model, load_tokenizer
 
     # one thread (the autouse fixture): on the shared 2-core machine, 2 threads ran SmolLM2 3-4x slower
     tok = load_tokenizer(smollm2_dir)

@@ -56,7 +56,7 @@ def export_shipped(root: Path, model_name: str) -> tuple[Path, Path]:
 
     from pipeline.heads.published.convert import export_published_hydra
     from runtime.heads import load_heads
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     lay = Layout.for_model(REPO_ROOT / "artifacts", model_name)
     shipped = lay.heads_dir("hydra")

@@ -30,7 +30,8 @@ from torch import Tensor
 from pipeline.paths import REPO_ROOT
 from runtime.device import clock
 from runtime.heads import DraftHeads, HeadsConfig
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.tree import Tree, TreeBuffers
 
 # The shapes the check runs at. vicuna-7b: Vicuna-7B v1.3 (Llama-1 7B), the paper's model. The

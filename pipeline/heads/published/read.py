@@ -47,7 +47,8 @@ from torch import Tensor
 
 from runtime.heads import DraftHeads, HeadsConfig, build_heads
 from runtime.config import HYDRA_WEIGHTS, MEDUSA_WEIGHTS  # noqa: F401 - re-exported
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 
 HYDRA_ARCHS = ("mlp", "prefix-mlp")
 

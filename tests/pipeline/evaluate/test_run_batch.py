@@ -12,7 +12,7 @@ from pipeline.evaluate.batch import BATCH_AR, ONE_TREE, PER_BATCH, batch_choice,
 from runtime.bank import TopologyBank
 from runtime.ar import ar_generate
 from runtime.heads import load_heads
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,7 +17,8 @@ from pipeline.heads.draft_vocab import (
 from runtime.decoder import TreeDecoder
 from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, choose_draft_dtype, draft_arithmetics, load_heads, save_heads
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import tiny_transformer
 

@@ -18,7 +18,8 @@ from pipeline.heads.eagle3_import import (
     convert_aux_ids, detect_layout, ours_to_file_ids, read_config, read_eagle3, write_speculators,
 )
 from runtime.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Error
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from tests.helpers import tiny_transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -16,7 +16,7 @@ from pipeline.heads.report import evaluate_heads
 from pipeline.heads.train import distill_loss, sequence_batch, train_loop
 from runtime.ar import ar_generate
 from runtime.heads import load_heads
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 from tests.helpers.training import CHECKPOINT_VOCAB, checkpoint_prompts, make_heads, selfdistill, write_tiny_checkpoint
 
 V = CHECKPOINT_VOCAB

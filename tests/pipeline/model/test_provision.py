@@ -20,7 +20,7 @@ from pipeline.heads.published.convert import export_published_hydra, heads_folde
 from pipeline.model.provision import inspect_model_folder, provision_model, resolve_max_seq_len
 from runtime.fingerprint import weights_fingerprint
 from runtime.heads import load_heads
-from runtime.model import load_model, load_tokenizer
+from runtime.model.checkpoint import load_model, load_tokenizer
 from pipeline.heads.published.read import load_published
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers.own_model import (

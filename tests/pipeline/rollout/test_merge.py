@@ -53,7 +53,7 @@ def assert_same_rollout(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def rows(bundle: TinyBundle) -> list[dict]:
-    from runtime.model import load_tokenizer
+    from runtime.model.checkpoint import load_tokenizer
 
     tok = load_tokenizer(bundle.model_dir)
     return [{"id": f"test/{i}", "input_ids": tok.encode(t, add_special_tokens=False).ids} for i, t in enumerate(TEXTS)]
@@ -62,7 +62,7 @@ def rows(bundle: TinyBundle) -> list[dict]:
 @pytest.fixture(scope="module")
 def runtime_pair(bundle: TinyBundle):
     from runtime.heads import load_heads
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     model = load_model(bundle.model_dir, max_seq_len=128)
     return model, load_heads(bundle.heads_dir, model=model)

@@ -16,7 +16,7 @@ from runtime.bank import TopologyBank
 from runtime.decoder import TreeDecoder
 from runtime.ar import ar_generate
 from runtime.heads import load_heads
-from runtime.model import load_model
+from runtime.model.checkpoint import load_model
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import MODEL_NAME, TinyBundle, tiny_pipeline_cfg
 

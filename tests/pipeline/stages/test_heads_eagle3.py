@@ -194,7 +194,7 @@ def test_published_hydra_heads_under_the_default_heads_config_skip_it_too(setup:
     from pipeline.config.validate import config_problems
     from pipeline.heads.published.convert import export_published_hydra
     from pipeline.stages import heads as heads_stage
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     bundle, artifacts, data = setup
     model = load_model(bundle.model_dir, max_seq_len=64)

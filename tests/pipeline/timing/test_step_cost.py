@@ -159,7 +159,7 @@ def test_prune_again_marks_what_the_final_model_prunes_and_keeps_earlier_reasons
 def test_measure_on_tiny_model(bundle) -> None:  # noqa: ANN001 - the conftest fixture
     from runtime.decoder import TreeDecoder
     from runtime.heads import load_heads
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
     from runtime.tree import TreeBuffers
 
     model = load_model(bundle.model_dir, max_seq_len=256)
@@ -296,7 +296,7 @@ def test_paired_medians_cancel_the_phases_that_slow_a_whole_pass() -> None:
 
 
 def test_phase_probe_leaves_the_cache_and_corrects_a_check_to_the_models_speed(bundle) -> None:  # noqa: ANN001
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
 
     model = load_model(bundle.model_dir, max_seq_len=64)
     gen = torch.Generator().manual_seed(0)
@@ -333,7 +333,7 @@ def test_tree_timer_gives_ratios_to_its_phase_probes_only_when_asked(bundle) -> 
     from pipeline.timing.checks import TreeTimer
     from runtime.heads import load_heads
     from runtime.decoder import TreeDecoder
-    from runtime.model import load_model
+    from runtime.model.checkpoint import load_model
     from runtime.tree import TreeBuffers
 
     model = load_model(bundle.model_dir, max_seq_len=128)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from runtime.decoder import TreeDecoder
 from runtime.heads import DraftHeads, HeadsConfig
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from runtime.policy import LadderPolicy, Scheduler
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import trees as valid_trees
@@ -264,7 +265,7 @@ def test_smollm2_rows_are_bit_identical_under_invariance(smollm2_dir, dtype: str
     than 32 rows, as the 63-node tree's). (That the comparison sees a difference where there is one:
     `test_logits_row_does_not_depend_on_the_forward`.)"""
     from pipeline.timing.invariance import PROMPT, compare
-    from runtime.model import load_model, load_tokenizer
+    from runtime.model.checkpoint import load_model, load_tokenizer
 
     ids = load_tokenizer(smollm2_dir).encode(PROMPT * 3, add_special_tokens=False).ids
     model = load_model(smollm2_dir, dtype=getattr(torch, dtype), max_seq_len=len(ids) + 2 * max(sizes) + 8)

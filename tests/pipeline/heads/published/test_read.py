@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.model import ModelArgs, Transformer
+from runtime.config import ModelArgs
+from runtime.model.llama import Transformer
 from pipeline.heads.published.read import load_published, load_published_hydra, load_published_medusa, load_torch_weights
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import tiny_transformer
