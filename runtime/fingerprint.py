@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+from runtime.heads_ref import REF_FILE, checked_files
 from runtime.io import atomic_write_bytes
 
 # File sets smaller than this are hashed every time (fast, and they would only clutter the cache).
@@ -128,9 +129,13 @@ def weights_fingerprint(folder: str | Path) -> str:
 
 def heads_fingerprint(folder: str | Path) -> str:
     """Fingerprint of a heads folder (its weights file: heads.safetensors, or an EAGLE-3
-    drafter's drafter.safetensors)."""
+    drafter's drafter.safetensors). A folder that takes its weights from another one
+    (`runtime.heads_ref`) has the fingerprint of its self-contained equivalent, once the files
+    it reads are checked to be the ones it was written with."""
     folder = Path(folder)
     f = folder / "heads.safetensors"
+    if not f.is_file() and (folder / REF_FILE).is_file():
+        return checked_files(folder)[0].fingerprint
     if not f.is_file() and (folder / "drafter.safetensors").is_file():
         f = folder / "drafter.safetensors"
     if not f.is_file():

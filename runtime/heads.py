@@ -23,8 +23,10 @@ Drafting need not be exact (verification keeps decoding lossless), so at inferen
 product may run in cheaper arithmetic than the base model (`draft_dtype`: bfloat16, or int8 with
 dynamic activation quantisation); training always uses the exact product.
 
-The heads' own files are `config.json` + `heads.safetensors` (see `save_heads`/`load_heads`);
-published Hydra/Medusa checkpoints are read by `pipeline.heads.published.read`.
+The heads' own files are `config.json` + `heads.safetensors` (see `save_heads`/`load_heads`), or,
+for heads derived from others with the same weights (a draft vocabulary), `config.json` + the new
+tensors + a reference to the other folder's weights (`runtime.heads_ref`); published Hydra/Medusa
+checkpoints are read by `pipeline.heads.published.read`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from runtime.config import (  # noqa: F401 - re-exported
     _args_to_dict,
 )
 from runtime.device import torch_dtype
-from runtime.io import read_weights_config, save_weights_folder
+from runtime.io import atomic_write_bytes, read_weights_config, save_weights_folder
 from runtime.model.llama import (
     Linear,
     ModelArgs,
@@ -672,7 +674,7 @@ def _check_hidden(hidden: Tensor, input_pos: Tensor, dim: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Our own format: config.json + heads.safetensors (no pickle)
+# Our own format: config.json + heads.safetensors, or a reference to another folder's (no pickle)
 
 
 def check_base_fingerprint(config: HeadsConfig, expected: str | None, where: str = "heads") -> None:
@@ -687,12 +689,82 @@ def check_base_fingerprint(config: HeadsConfig, expected: str | None, where: str
                          f"{expected}: retrain the heads for this model (e.g. `make heads`)")
 
 
-def save_heads(heads: DraftHeads, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_heads(heads: DraftHeads, folder: str | Path, dtype: torch.dtype | None = None,
+               weights_from: str | Path | None = None) -> Path:
     """Write config.json + heads.safetensors (the heads' own weights only, never the shared
     lm_head or the embeddings), each atomically. `dtype` casts the floating weights (bf16 halves
-    the size of shipped heads)."""
-    return save_weights_folder(heads, {"format": FORMAT, "format_version": FORMAT_VERSION, **heads.config.to_dict()},
-                               folder, WEIGHTS_FILE, CONFIG_FILE, dtype, what="heads weights")
+    the size of shipped heads).
+
+    `weights_from`: a heads folder whose heads.safetensors holds, bit for bit, every tensor of
+    these heads it names (the heads these were derived from, e.g. by adding a draft vocabulary).
+    Then `folder` refers to those instead of copying them (`runtime.heads_ref`): it holds
+    config.json, the other tensors and the reference; `load_heads` gives the same heads, and
+    `heads_fingerprint` the same fingerprint, as the self-contained folder would."""
+    from runtime.heads_ref import OWN_FILE, REF_FILE
+
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, **heads.config.to_dict()}
+    if weights_from is None:
+        save_weights_folder(heads, meta, folder, WEIGHTS_FILE, CONFIG_FILE, dtype, what="heads weights")
+        for stale in (REF_FILE, OWN_FILE):  # a referring save this one replaces
+            (Path(folder) / stale).unlink(missing_ok=True)
+        return Path(folder)
+    return _save_referring(heads, meta, Path(folder), Path(weights_from), dtype)
+
+
+def _save_referring(heads: DraftHeads, meta: dict[str, Any], folder: Path, base: Path,
+                    dtype: torch.dtype | None) -> Path:
+    """`save_heads(..., weights_from=base)`: the self-contained folder is written aside first, so
+    that what is referred to is checked against exactly the tensors `save_heads` writes, and the
+    fingerprint of its weights file (header in canonical order, `canonical_safetensors`) is the
+    one recorded."""
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from runtime.fingerprint import files_fingerprint
+    from runtime.heads_ref import OWN_FILE, canonical_safetensors, write_weights_ref
+
+    base_file = base / WEIGHTS_FILE
+    if not base_file.is_file():
+        raise FileNotFoundError(f"{base_file} not found: weights_from must be a heads folder that holds its own "
+                                f"{WEIGHTS_FILE}")
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".self-contained-", dir=folder) as scratch:
+        whole = Path(scratch)
+        save_weights_folder(heads, meta, whole, WEIGHTS_FILE, CONFIG_FILE, dtype, what="heads weights")
+        wfile = whole / WEIGHTS_FILE
+        wfile.write_bytes(canonical_safetensors(wfile.read_bytes()))
+        fingerprint = files_fingerprint([wfile], cache=None)
+        with safe_open(str(whole / WEIGHTS_FILE), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        shutil.copyfile(whole / CONFIG_FILE, folder / CONFIG_FILE)
+    own = {}
+    with safe_open(str(base_file), framework="pt") as f:
+        base_keys = set(f.keys())  # noqa: SIM118
+        for k, v in state.items():
+            if k not in base_keys:
+                own[k] = v
+                continue
+            b = f.get_tensor(k)
+            if b.dtype != v.dtype or b.shape != v.shape or not torch.equal(_bits(b), _bits(v)):
+                raise ValueError(f"tensor {k} of these heads differs from the one in {base_file} ({v.dtype} "
+                                 f"{tuple(v.shape)} vs {b.dtype} {tuple(b.shape)}, or other values): they cannot "
+                                 "refer to it; save them without weights_from")
+    extra = sorted(base_keys - set(state))
+    if extra:
+        raise ValueError(f"{base_file} holds tensors these heads do not have ({extra[:5]}): it is not the folder "
+                         "they were derived from")
+    atomic_write_bytes(folder / OWN_FILE, save(own, metadata={"format": "pt", "entmtp": f"{FORMAT}-own"}))
+    write_weights_ref(folder, base, fingerprint)
+    (folder / WEIGHTS_FILE).unlink(missing_ok=True)  # a self-contained save this one replaces
+    return folder
+
+
+def _bits(t: Tensor) -> Tensor:
+    """A tensor's bytes (bitwise comparison: torch.equal calls -0.0 and 0.0 equal)."""
+    return t.contiguous().flatten().view(torch.uint8)
 
 
 def read_heads_config(folder: str | Path) -> tuple[HeadsConfig, str]:
@@ -767,23 +839,44 @@ def load_heads(folder: str | Path, model: Transformer | None = None, dtype: torc
         return load_drafter(folder, model=model, dtype=dtype)
     config, stored = read_heads_config(folder)
     check_base_fingerprint(config, base_fingerprint, where=f"heads in {folder}")
-    wfile = folder / WEIGHTS_FILE
-    if not wfile.is_file():
-        raise FileNotFoundError(f"{wfile} not found next to {CONFIG_FILE}")
-    state = {}
-    with safe_open(str(wfile), framework="pt") as f:
-        for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-            state[k] = f.get_tensor(k)
-    bad = sorted(k for k, v in state.items() if v.is_floating_point() and v.dtype != torch_dtype(stored))
-    if bad:
-        raise ValueError(f"{wfile}: tensors {bad[:5]} are not {stored} as config.json says; the files do not belong together")
+    files = heads_weight_files(folder)
+    state: dict[str, Tensor] = {}
+    for wfile in files:
+        with safe_open(str(wfile), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if k in state:
+                    raise ValueError(f"{files[0]} and {wfile} both hold {k}: a referring folder's own tensors "
+                                     "are the ones its base lacks; rebuild it")
+                state[k] = f.get_tensor(k)
+        bad = sorted(k for k, v in state.items() if v.is_floating_point() and v.dtype != torch_dtype(stored))
+        if bad:
+            raise ValueError(f"{wfile}: tensors {bad[:5]} are not {stored} as {folder / CONFIG_FILE} says; the files "
+                             "do not belong together")
+    where = str(files[0]) if len(files) == 1 else f"{folder} (with the weights of {files[0]})"
     target = dtype or (model.dtype if model is not None else torch_dtype(stored))
-    heads = build_heads(config, state, str(wfile), target, model.device if model is not None else "cpu")
+    heads = build_heads(config, state, where, target, model.device if model is not None else "cpu")
     if model is not None:
         heads.bind(model)
     heads = heads.eval().requires_grad_(False)
     heads.add_fast_paths()
     return heads
+
+
+def heads_weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files whose tensors together make the heads of `folder`: its
+    heads.safetensors, or, for a folder that refers to another's weights (`runtime.heads_ref`),
+    that folder's heads.safetensors and its own tensors, after checking both checksums."""
+    from runtime.heads_ref import REF_FILE, checked_files, is_referring_folder
+
+    folder = Path(folder)
+    if is_referring_folder(folder):
+        _, base_file, own_file = checked_files(folder)
+        return [base_file, own_file]
+    wfile = folder / WEIGHTS_FILE
+    if not wfile.is_file():
+        raise FileNotFoundError(f"{wfile} not found next to {CONFIG_FILE} (nor a {REF_FILE} naming the folder that "
+                                "holds the weights)")
+    return [wfile]
 
 
 def is_drafter_folder(folder: str | Path) -> bool:

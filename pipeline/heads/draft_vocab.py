@@ -13,8 +13,10 @@ so a smaller V_d only trades acceptance (rare tokens) for drafting time.
    candidates at each step are kept as a second, much weaker count, so ids the continuations never
    used are ranked by how often the model nearly chose them; the rest by id (byte-pair merge order).
 2. `frequency_ranking`: every base id, most frequent first.
-3. `write_draft_vocab_heads`: a heads folder = the full-vocabulary heads' weights + the V_d top ids
-   (`draft_ids`, most frequent first) + provenance in the manifest.
+3. `write_draft_vocab_heads`: a heads folder = its config + the V_d top ids (`draft_ids`, most
+   frequent first) + a reference to the full-vocabulary heads' folder, whose weights it uses as
+   they are (`runtime.heads_ref`: no copy; a changed or missing base is refused) + provenance in
+   the manifest.
 
     python -m pipeline.heads.draft_vocab --sizes 2048 4096 8192 16384 [--kinds hydra medusa]
 """
@@ -47,6 +49,9 @@ if TYPE_CHECKING:  # torch is imported where heads are built: an up-to-date chec
 
 _log = logging.getLogger(__name__)
 FREQ_VERSION = 1
+# version of a draft-vocabulary heads folder's layout: 2 refers to the full heads' weights
+# (`save_heads(weights_from=...)`), 1 copied them
+DRAFT_HEADS_VERSION = 2
 FREQ_FILE = "frequencies.safetensors"
 # weight of one teacher top-k appearance (times its probability) against one emitted token:
 # small enough that it only orders ids the continuations did not use, or used equally often
@@ -234,13 +239,16 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
                             draft_dtype: str | None = None, force: bool = False,
                             log: Callable[[str], None] = print) -> Path:
     """Write a draft-vocabulary heads folder from the full heads in `full_dir` and the ranking
-    in `freq_dir`; its manifest records both sources (files' sha256, frequency provenance)."""
+    in `freq_dir`; its manifest records both sources (files' sha256, frequency provenance). The
+    folder refers to `full_dir`'s weights (recorded relative to `out_dir`: keep the two side by
+    side) and stores only its config and draft ids; it loads, and fingerprints, as the
+    self-contained folder would."""
     full_dir, freq_dir = Path(full_dir), Path(freq_dir)
     full_config = json.loads((full_dir / CONFIG_FILE).read_text())
     freq_manifest = json.loads((freq_dir / "manifest.json").read_text()) if (freq_dir / "manifest.json").is_file() else {}
     stored_dtype = full_config["dtype"]
     key = {
-        "version": FREQ_VERSION, "draft_vocab_size": int(size), "draft_dtype": draft_dtype,
+        "version": DRAFT_HEADS_VERSION, "draft_vocab_size": int(size), "draft_dtype": draft_dtype,
         "full_heads": {"folder": _shown(full_dir), "weights_sha256": _sha256(full_dir / WEIGHTS_FILE),
                        "config_sha256": _sha256(full_dir / CONFIG_FILE)},
         "frequencies": {"folder": _shown(freq_dir), "sha256": _sha256(freq_dir / FREQ_FILE),
@@ -256,7 +264,7 @@ def write_draft_vocab_heads(full_dir: str | Path, freq_dir: str | Path, size: in
         full = load_heads(full_dir)
         freq = read_frequencies(freq_dir, full.config.vocab_size)
         heads = draft_vocab_heads(full, freq["ranking"], size, draft_dtype)
-        save_heads(heads, tmp, dtype=getattr(torch, stored_dtype))
+        save_heads(heads, tmp, dtype=getattr(torch, stored_dtype), weights_from=full_dir)
         emitted = freq["emitted"]
         covered = int(emitted[freq["ranking"][:size]].sum())
         summary = freq_manifest.get("summary", {})

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.artifacts import hash_bytes, run_stage
 from runtime.config import FORMAT, HYDRA_WEIGHTS, MEDUSA_WEIGHTS, ModelArgs
 from runtime.fingerprint import file_sha256, weights_fingerprint
+from runtime.heads_ref import is_referring_folder
 
 if TYPE_CHECKING:  # torch only where weights are read: using project heads as they are stays torch-free
     import torch
@@ -251,7 +252,7 @@ def import_heads(src: str | Path, model_dir: str | Path, out: str | Path, force:
         raise ValueError(f"heads.aux_convention={aux_convention} names EAGLE-3 layer ids, but heads.dir={src} holds "
                          f"{kind} heads; set heads.aux_convention=null")
     if kind == "project":
-        if not (src / "heads.safetensors").is_file():
+        if not (src / "heads.safetensors").is_file() and not is_referring_folder(src):  # runtime.heads_ref
             raise FileNotFoundError(f"heads.dir={src} has a project config.json but no heads.safetensors")
         return src
     checkpoint = published_checkpoint(src, kind)

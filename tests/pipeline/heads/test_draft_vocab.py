@@ -3,11 +3,15 @@ ranking, folders that round-trip, exactness at V_d = V, and decoding that stays 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
+from collections import defaultdict
 
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.heads.draft_vocab import (
@@ -18,9 +22,11 @@ from runtime.decoder import TreeDecoder
 from runtime.ar import ar_generate
 from runtime.heads import DraftHeads, HeadsConfig, choose_draft_dtype, draft_arithmetics, load_heads, save_heads
 from runtime.config import ModelArgs
+from runtime.fingerprint import heads_fingerprint
+from runtime.heads_ref import OWN_FILE, REF_FILE
 from runtime.model.llama import Transformer
 from runtime.tree import Tree, TreeBuffers
-from tests.helpers import tiny_transformer
+from tests.helpers import REPO, tiny_transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -141,10 +147,46 @@ def test_draft_vocab_heads_folder_round_trips_with_provenance(tmp_path) -> None:
     want = reference.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     # up to date: a second call rebuilds nothing
-    mtime = (out / "heads.safetensors").stat().st_mtime_ns
+    mtime = (out / OWN_FILE).stat().st_mtime_ns
     write_draft_vocab_heads(tmp_path / "full", tmp_path / "freq", 3, tmp_path / "dv", draft_dtype="bfloat16",
                             log=lambda _: None)
-    assert (out / "heads.safetensors").stat().st_mtime_ns == mtime
+    assert (out / OWN_FILE).stat().st_mtime_ns == mtime
+
+
+def test_draft_vocab_folder_refers_to_the_full_heads_and_follows_a_retrained_base(tmp_path) -> None:
+    """No weight tensor stored twice: the folder holds its config, its draft ids and a reference to
+    the full heads; it loads what a copy would hold; a retrained base is refused on load and the
+    next derivation rebuilds the folder from it."""
+    model = tiny_model()
+    save_heads(full_heads(model, "medusa"), tmp_path / "medusa", dtype=torch.bfloat16)
+    emitted = np.arange(VOCAB, dtype=np.int64)  # the highest ids most often
+    write_frequencies(tmp_path / "freq", emitted)
+    out = write_draft_vocab_heads(tmp_path / "medusa", tmp_path / "freq", 8, tmp_path / "medusa-draft8",
+                                  log=lambda _: None)
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", OWN_FILE, REF_FILE, "manifest.json"])
+    assert json.loads((out / REF_FILE).read_text())["base"]["folder"] == "../medusa"
+    with safe_open(str(out / OWN_FILE), framework="pt") as f:
+        assert list(f.keys()) == ["draft_ids"]
+    # what a self-contained copy holds, bit for bit
+    copy = draft_vocab_heads(load_heads(tmp_path / "medusa"), frequency_ranking(emitted, np.zeros(VOCAB)), 8)
+    got, want = load_heads(out).state_dict(), copy.state_dict()
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+               for k in want)
+    assert load_heads(out).draft_ids.tolist() == list(range(VOCAB - 1, VOCAB - 9, -1))
+    before = heads_fingerprint(out)
+    # as `heads.dir` it is project heads, used where they are
+    from pipeline.heads.published.convert import import_heads
+
+    assert import_heads(out, tmp_path / "no-model-needed", tmp_path / "unused") == out
+    # the full heads retrained: the derived folder no longer loads, and deriving again rebuilds it
+    save_heads(full_heads(model, "medusa", seed=2), tmp_path / "medusa", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="changed since"):
+        load_heads(out)
+    write_draft_vocab_heads(tmp_path / "medusa", tmp_path / "freq", 8, tmp_path / "medusa-draft8", log=lambda _: None)
+    assert heads_fingerprint(out) != before
+    torch.testing.assert_close(load_heads(out).heads[0].blocks[0].linear.weight,
+                               load_heads(tmp_path / "medusa").heads[0].blocks[0].linear.weight, rtol=0, atol=0)
 
 
 def test_loading_validates_what_it_reads(tmp_path) -> None:
@@ -186,3 +228,31 @@ def test_auto_draft_dtype_picks_a_measured_arithmetic() -> None:
     choice = choose_draft_dtype(256, 32, torch.device("cpu"), torch.float32, repeats=3)
     assert choice in draft_arithmetics(torch.device("cpu"))
     assert choose_draft_dtype(256, 32, torch.device("cpu"), torch.float32) == choice  # measured once
+
+
+SHIPPED_HEADS_BUDGET = 40 << 20  # bytes of artifacts/heads/ in git, every kind together (issue #51)
+
+
+def test_shipped_heads_store_no_weight_twice_and_fit_the_budget() -> None:
+    """The git-tracked heads: no floating-point tensor of any size worth naming is stored in two
+    files (a draft-vocabulary folder refers to its full heads' weights), and they fit the budget."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "artifacts/heads"], cwd=REPO, capture_output=True,
+                                check=True, timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: which heads are shipped is unknown")
+    files = [REPO / f for f in listed if f and (REPO / f).is_file()]
+    if not any(f.name == "heads.safetensors" for f in files):
+        pytest.skip("no shipped heads in this checkout")
+    total = sum(f.stat().st_size for f in files)
+    assert total <= SHIPPED_HEADS_BUDGET, f"shipped heads take {total / 2**20:.1f} MiB, over the 40 MiB budget"
+    where = defaultdict(list)
+    for f in (f for f in files if f.suffix == ".safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():  # noqa: SIM118
+                t = st.get_tensor(k)
+                if t.is_floating_point() and t.numel() >= 1024:
+                    digest = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                    where[digest].append(f"{f.relative_to(REPO)}:{k}")
+    twice = [names for names in where.values() if len(names) > 1]
+    assert not twice, f"tensors stored more than once: {twice[:3]}"
