@@ -3,7 +3,8 @@
   entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval --prompt "..." [--policy hysteresis|dynamic] [--compare-ar]
   entmtp generate --bank ... --prompts-file prompts.txt --batch 4 [--compare-ar]
   entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval
-  entmtp export   artifacts/banks/.../humaneval --format vllm|trtllm|sglang|json [--batch-size B]
+  entmtp export   artifacts/banks/.../humaneval --format vllm|trtllm|sglang|json [--batch-size B] [--margin N]
+                  [--drafter-out DIR] [--out FILE]   (header and caveats on stderr; FILE.entmtp.json beside FILE)
   entmtp export   artifacts/banks/.../humaneval --format legacy-vllm-tree|legacy-trtllm-medusa|tree-json [--tree best|K]
 """
 
@@ -142,8 +143,50 @@ def _inspect(args: argparse.Namespace) -> int:
 _TREE_FORMAT_OF = {"vllm": "legacy-vllm-tree", "trtllm": "legacy-trtllm-medusa"}
 
 
+def _export_drafter(args: argparse.Namespace, kind: str, heads_dir: Path | None):
+    """The EngineDrafter an EAGLE-3 bank's engine export names (None for other banks and formats)."""
+    from runtime.export.engines import DRAFTER_PLACEHOLDER, ENGINE_FORMATS, EngineDrafter
+
+    asked = args.drafter_out or args.drafter_path
+    if asked and kind != "eagle3":
+        raise ValueError(f"--drafter-out / --drafter-path name an EAGLE-3 drafter, but this bank's heads are {kind}")
+    if args.drafter_out and args.drafter_path:
+        raise ValueError("--drafter-out writes the drafter and names it in the config; --drafter-path names one written "
+                         "before: give one of them")
+    if args.drafter_out and args.format not in (*ENGINE_FORMATS, "json"):
+        raise ValueError(f"--drafter-out writes the drafter for an engine format (vllm, sglang, trtllm, json), not "
+                         f"--format {args.format}")
+    if kind != "eagle3" or args.format not in ENGINE_FORMATS:
+        return None
+    from runtime.eagle3 import read_drafter_config
+
+    config, _ = read_drafter_config(heads_dir)
+    path = args.drafter_path or (str(Path(args.drafter_out).resolve()) if args.drafter_out else DRAFTER_PLACEHOLDER)
+    return EngineDrafter(path=path, aux_layer_ids=config.aux_layer_ids)
+
+
+def _write_drafter(args: argparse.Namespace, bank: TopologyBank, heads_dir: Path, speculative_tokens: int) -> Path:
+    """--drafter-out: the bank's drafter, bound to its target model, in the layout the engine loads."""
+    from runtime.device import torch_dtype
+    from runtime.eagle3 import load_drafter, read_drafter_config
+    from runtime.export.drafters import write_for_engine
+    from runtime.model.checkpoint import load_model
+
+    model_dir = (Path(args.bank) / bank.provenance.get("model_dir", "(none recorded)")).resolve()
+    if not model_dir.is_dir():
+        raise BankError(f"the model folder {model_dir} of bank {args.bank} does not exist: --drafter-out needs the "
+                        "target model (its token embeddings and, for speculators, its config)")
+    _, stored = read_drafter_config(heads_dir)
+    model = load_model(model_dir, max_seq_len=64)
+    drafter = load_drafter(heads_dir, model=model, dtype=torch_dtype(stored))
+    return write_for_engine(drafter, args.drafter_out, args.format, str(model_dir), speculative_tokens)
+
+
 def _export(args: argparse.Namespace) -> int:
-    from runtime.export.engines import TREE_FORMATS, export_schedule, export_tree
+    from runtime.export.engines import TREE_FORMATS, engine_schedule, export_schedule, export_tree
+    from runtime.export.notes import (SIDECAR_SUFFIX, bank_facts, drafter_kind, embed_record, export_record, in_band,
+                                      sidecar_path)
+    from runtime.io import atomic_write_bytes
 
     legacy = args.format in TREE_FORMATS
     if args.tree is not None and not legacy:
@@ -152,7 +195,14 @@ def _export(args: argparse.Namespace) -> int:
                          f"--format {_TREE_FORMAT_OF.get(args.format, 'tree-json')} --tree {args.tree}")
     if args.tree is not None and args.batch_size is not None:
         raise ValueError("--tree and --batch-size both pick the tree to export: give one of them")
+    if args.margin < 0:
+        raise ValueError(f"--margin must be >= 0 (sequences), got {args.margin}")
     bank = TopologyBank.load(args.bank, force=True)
+    prov = bank.provenance
+    heads_dir = Path(args.bank) / prov["heads_dir"] if prov.get("heads_dir") else None
+    kind = drafter_kind(heads_dir, prov)
+    drafter = _export_drafter(args, kind, heads_dir)
+    schedule = bank.serving_schedule()
     if legacy and args.batch_size is None:
         tree = args.tree or "best"
         if tree != "best" and not tree.lstrip("-").isdigit():
@@ -162,11 +212,31 @@ def _export(args: argparse.Namespace) -> int:
             raise BankError(f"tree {k} out of range: the bank has {len(bank.trees)} trees (0..{len(bank.trees) - 1})")
         out = export_tree(bank.trees[k], args.format)
     else:
-        out = export_schedule(bank.serving_schedule(), args.format, batch_size=args.batch_size)
-    if isinstance(out, str):
-        print(out, end="" if out.endswith("\n") else "\n")
-    else:
-        print(json.dumps(out))
+        out = export_schedule(schedule, args.format, batch_size=args.batch_size, margin=args.margin,
+                              keep_zeros=args.keep_zeros, drafter=drafter)
+        if args.batch_size is not None:
+            schedule = schedule.restrict(args.batch_size)
+    record = export_record(schedule, args.format, bank_facts(prov, kind, str(args.bank)), margin=args.margin,
+                           keep_zeros=args.keep_zeros, drafter_path=None if drafter is None else drafter.path)
+    if args.drafter_out:
+        served = engine_schedule(schedule, args.format, margin=args.margin, keep_zeros=args.keep_zeros)
+        written = _write_drafter(args, bank, heads_dir, served.max_chain_len)
+        print(f"[entmtp] wrote the drafter for {args.format} to {written}", file=sys.stderr)
+    out = embed_record(out, args.format, record)
+    text = out if isinstance(out, str) else json.dumps(out)
+    text = text if text.endswith("\n") else text + "\n"
+    for line in record.lines():
+        print(f"[entmtp] {line}", file=sys.stderr)
+    if args.out is None:
+        print(text, end="")
+        if not in_band(args.format):
+            print("[entmtp] this format has no room for the lines above: --out FILE also writes them to "
+                  f"FILE{SIDECAR_SUFFIX}", file=sys.stderr)
+        return 0
+    atomic_write_bytes(args.out, text.encode())
+    side = sidecar_path(args.out)
+    atomic_write_bytes(side, (json.dumps(record.to_dict(), indent=1) + "\n").encode())
+    print(f"[entmtp] wrote {args.out} and its record {side}", file=sys.stderr)
     return 0
 
 
@@ -222,6 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--tree", default=None, help="tree formats only: 'best' (EntMTP*, the default) or a tree index")
     e.add_argument("--batch-size", type=int, default=None,
                    help="only the bank's choice at this measured batch size (tree formats: the tree chosen there)")
+    e.add_argument("--margin", type=int, default=0,
+                   help="boundary margin in sequences (vllm, trtllm, sglang): each measured batch size's choice also "
+                        "serves the next N loads, so prefills or one request arriving at a boundary (counted in the "
+                        "engine's batch size, not in the bank's timed batches) do not flip the draft length; nothing "
+                        "speculates above the largest measured batch size + N (default 0: the measured boundaries)")
+    e.add_argument("--keep-zeros", action="store_true",
+                   help="vllm: write the bank's draft length 0 as it is. By default a 0 is replaced by a chain the bank "
+                        "measured at AR's speed or better there, as vLLM still runs the drafter at 0")
+    e.add_argument("--drafter-out", default=None,
+                   help="EAGLE-3 banks: write the bank's drafter to this folder in the layout the engine loads "
+                        "(vllm/json: speculators; sglang/trtllm: EAGLE's own) and name it in the config")
+    e.add_argument("--drafter-path", default=None,
+                   help="EAGLE-3 banks: the drafter folder to name in the config (one written before by --drafter-out)")
+    e.add_argument("--out", default=None,
+                   help="write the export to this file (instead of stdout) and its record (header, caveats, warnings) "
+                        "to FILE.entmtp.json beside it")
     e.set_defaults(fn=_export)
     args = p.parse_args(argv)
     try:

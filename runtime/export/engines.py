@@ -57,6 +57,34 @@ load". The exported entries go into the engine's speculative config next to its 
 * ``json`` -- the whole schedule: the choices, the bank's trees and the cost table (step ms by batch
   size and tree, AR and chain), from which an equal `ServingSchedule` can be read back.
 
+Options of the engine formats (`export_schedule`):
+
+* ``margin`` (sequences, default 0): the boundary margin (`ServingSchedule.shifted`): each measured
+  batch size's choice also serves the next ``margin`` loads above it, so the requests an engine
+  counts in its batch size but the bank did not time (prefills in flight, one request arriving at a
+  boundary) do not flip the draft length; nothing speculates above the largest measured batch size
+  + margin. The json format keeps the measured batch sizes.
+* vLLM's draft length 0 (``keep_zeros=False``, the default): vLLM still runs the drafter at 0 (it
+  keeps the drafter's KV cache in sync, vllm-project/vllm#49548), so a 0 there is AR *plus*
+  drafting, not AR. Where the bank's cost row at a measured batch size holds a chain tree that
+  measured at least AR's throughput there (its step cost already includes its drafting), that chain
+  beats vLLM's 0 and is written instead (`fill_vllm_zeros`); elsewhere the 0 stays, and
+  `runtime.export.notes` says what it costs. ``keep_zeros=True`` writes the bank's choices as they are.
+* ``drafter`` (`EngineDrafter`, for a bank whose heads are an EAGLE-3 drafter): the engine's EAGLE-3
+  settings around the lengths -- vLLM ``"method": "eagle3"`` and ``"model": <folder>``
+  (vllm/config/speculative.py ``SpeculativeConfig.method``/``model``); TensorRT-LLM's one-model
+  Eagle3 config ``"decoding_type": "Eagle3"``, ``"speculative_model_dir"`` (an accepted alias of
+  ``speculative_model``), ``"eagle3_one_model": true`` and ``"eagle3_layers_to_capture"`` (layer
+  OUTPUTS: its default {1, L//2-1, L-4} is EAGLE's inputs of 2, L//2, L-3), the fields of
+  ``EagleDecodingConfig`` / ``Eagle3DecodingConfig`` in tensorrt_llm/llmapi/llm_args.py; SGLang
+  ``--speculative-algorithm EAGLE3 --speculative-draft-model-path <folder>`` on every flag line
+  (python/sglang/srt/server_args.py). The folder must hold the drafter in the layout that engine
+  loads (`runtime.export.drafters`; ``entmtp export --drafter-out``).
+
+vLLM's ``SpeculativeConfig`` (vllm/config/utils.py ``config``: ``extra="forbid"``) and TensorRT-LLM's
+``DecodingBaseConfig`` (a ``StrictBaseModel``) refuse unknown keys, so what an export must say about
+itself (`runtime.export.notes`) travels beside those two, never inside them.
+
 Single-tree formats (`export_tree`; in `export_schedule`, the tree chosen at one batch size):
 
 * ``legacy-vllm-tree``: vLLM's former ``speculative_config={"speculative_token_tree": "[(0,), (1,), (0, 0)]", ...}``
@@ -69,13 +97,16 @@ Every tree export lists the paths in canonical node order (by depth, then lexico
 the order vLLM laid tree nodes out in. The engine formats carry only part of a schedule (chain
 lengths, or tree shapes). The runtime only writes them; the parsers that read each format back with
 the engine's own rules (``export(parse(x)) == x`` for every export x) check these exports in the
-tests (tests/helpers/engine_parsers.py).
+tests (tests/helpers/engine_parsers.py), and, where an engine's package installs on a CPU, that
+package's own code reads them (tests/runtime/export/: SGLang's ``ServerArgs`` and adaptive router,
+speculators' ``Eagle3DraftModel``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from runtime.export.schedule import ScheduleError, ServingChoice, ServingSchedule
@@ -113,12 +144,63 @@ def export_tree(tree: Tree, fmt: str) -> object:
 # ---------------------------------------------------------------------------- per batch size
 
 SCHEDULE_FORMATS = ("vllm", "trtllm", "sglang", "json") + TREE_FORMATS
+ENGINE_FORMATS = ("vllm", "trtllm", "sglang")
 JSON_FORMAT = "entmtp-serving-schedule"
 JSON_VERSION = 1
 ADAPTIVE_FILE = "adaptive.json"
+# what an EAGLE-3 export names as the drafter folder when none was written or given
+DRAFTER_PLACEHOLDER = "DRAFTER_DIR"
+
+
+@dataclass(frozen=True)
+class EngineDrafter:
+    """The EAGLE-3 drafter an engine export names: `path`, the folder the engine loads (in its layout,
+    `runtime.export.drafters`), and the drafter's target layers in our convention (the input of
+    layer i; TensorRT-LLM's ``eagle3_layers_to_capture`` names outputs)."""
+
+    path: str
+    aux_layer_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ScheduleError(f"the drafter path must be a non-empty string, got {self.path!r}")
+        ids = tuple(self.aux_layer_ids)
+        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ScheduleError(f"aux_layer_ids must be non-negative ints, got {list(ids)}")
+        object.__setattr__(self, "aux_layer_ids", ids)
 
 
 # --- vLLM
+
+
+def _measured_chains(schedule: ServingSchedule, c: ServingChoice) -> list[tuple[int, float, float]]:
+    """(depth, step_ms, tok_per_s) of every chain tree of the schedule measured at c's batch size."""
+    out = []
+    for k, t in enumerate(schedule.trees):
+        if len(t) and t == Tree.chain(t.depth) and k < len(c.tree_tok_per_s):
+            tps, ms = c.tree_tok_per_s[k], c.tree_step_ms[k]
+            if tps is not None and ms is not None:
+                out.append((t.depth, ms, tps))
+    return out
+
+
+def fill_vllm_zeros(schedule: ServingSchedule) -> tuple[ServingSchedule, dict[int, tuple[int, float, float]]]:
+    """The schedule vLLM should get, and what changed: at each measured batch size whose chain length
+    is 0, the fastest chain tree of the bank measured there at no less than AR's throughput (batch
+    size x 1000 / ``ar_step_ms``) replaces the 0, because vLLM's 0 still runs the drafter (AR plus
+    drafting) while the chain's measured cost includes its drafting. Returns the new schedule and
+    {batch size: (chain length, its tok/s, AR's tok/s)} for each replaced 0."""
+    choices, filled = [], {}
+    for c in schedule.choices:
+        if c.chain_len == 0 and c.ar_step_ms:
+            ar_tps = c.batch_size * 1000.0 / c.ar_step_ms
+            ok = [ch for ch in _measured_chains(schedule, c) if ch[2] >= ar_tps]
+            if ok:
+                depth, ms, tps = max(ok, key=lambda ch: ch[2])
+                filled[c.batch_size] = (depth, tps, ar_tps)
+                c = replace(c, chain_len=depth, chain_step_ms=ms, chain_tok_per_s=tps, chain_tokens_per_step=None)
+        choices.append(c)
+    return (replace(schedule, choices=tuple(choices)) if filled else schedule), filled
 
 
 def to_vllm_schedule(schedule: ServingSchedule) -> dict[str, Any]:
@@ -134,6 +216,12 @@ def to_vllm_schedule(schedule: ServingSchedule) -> dict[str, Any]:
     if schedule.choices[-1].chain_len > 0:
         ranges.append([lo, lo, 0])  # no speculation above the largest measured batch size
     return {"num_speculative_tokens": top, "num_speculative_tokens_per_batch_size": ranges}
+
+
+def vllm_eagle3(cfg: dict[str, Any], drafter: EngineDrafter) -> dict[str, Any]:
+    """A vLLM ``speculative_config`` that serves the lengths `cfg` with the EAGLE-3 drafter in
+    `drafter.path` (a speculators folder: vLLM reads its layer ids from there)."""
+    return {"method": "eagle3", "model": drafter.path, **cfg}
 
 
 # --- TensorRT-LLM
@@ -154,10 +242,21 @@ def to_trtllm_schedule(schedule: ServingSchedule) -> dict[str, Any]:
             "draft_len_schedule": {c.batch_size: c.chain_len for c in schedule.choices[: last + 1]}}
 
 
+def trtllm_eagle3(cfg: dict[str, Any], drafter: EngineDrafter) -> dict[str, Any]:
+    """TensorRT-LLM's one-model Eagle3 ``speculative_config`` around `cfg` (see the module docstring)."""
+    if min(drafter.aux_layer_ids) < 1:
+        raise ScheduleError(f"the drafter reads layer 0's input (the token embeddings; aux_layer_ids "
+                            f"{list(drafter.aux_layer_ids)}), which TensorRT-LLM's eagle3_layers_to_capture cannot "
+                            "name (it names layer outputs)")
+    return {"decoding_type": "Eagle3", "speculative_model_dir": drafter.path, "eagle3_one_model": True, **cfg,
+            "eagle3_layers_to_capture": [i - 1 for i in drafter.aux_layer_ids]}
+
+
 # --- SGLang
 
 _SGLANG_HEADER = "# SGLang speculative decoding from an EntMTP serving schedule"
 _STATIC_FLAGS = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
+_EAGLE3_FLAGS = ("--speculative-algorithm", "--speculative-draft-model-path")
 
 
 def sglang_adaptive_config(schedule: ServingSchedule) -> dict[str, dict[str, list[int]]]:
@@ -179,25 +278,39 @@ def _static_flags(c: ServingChoice) -> tuple[int, int, int] | None:
     return None
 
 
-def to_sglang_schedule(schedule: ServingSchedule) -> str:
-    """SGLang flag lines (see the module docstring); `from_sglang_schedule` reads them back."""
+def _sglang_prefix(drafter: EngineDrafter | None) -> str:
+    if drafter is None:
+        return ""
+    if any(ch.isspace() for ch in drafter.path):
+        raise ScheduleError(f"the drafter path {drafter.path!r} holds white space, which a flag line cannot carry: "
+                            "write the drafter to a path without spaces")
+    return f"{_EAGLE3_FLAGS[0]} EAGLE3 {_EAGLE3_FLAGS[1]} {drafter.path} "
+
+
+def to_sglang_schedule(schedule: ServingSchedule, drafter: EngineDrafter | None = None, margin: int = 0) -> str:
+    """SGLang flag lines (see the module docstring); `from_sglang_schedule` reads them back. With a
+    `margin`, the batch sizes are the measured ones + margin (`ServingSchedule.shifted`)."""
+    prefix = _sglang_prefix(drafter)
+    shifted = schedule.shifted(margin)
     lines = [_SGLANG_HEADER + (f" ({schedule.source})" if schedule.source else ""),
              "# static: the flags for one load (SGLang grows its own EAGLE tree within these budgets)"]
-    for c in schedule.choices:
+    for measured, c in zip(schedule.choices, shifted.choices):
+        where = f"batch_size={c.batch_size}" + (f" (measured at {measured.batch_size}, margin {margin})"
+                                                if margin else "")
         flags = _static_flags(c)
         if flags is None:
-            lines.append(f"# batch_size={c.batch_size}: no speculation (leave out the --speculative-* flags)")
+            lines.append(f"# {where}: no speculation (leave out the --speculative-* flags)")
         else:
-            lines.append(" ".join(f"{f} {v}" for f, v in zip(_STATIC_FLAGS, flags)) + f"  # batch_size={c.batch_size}")
+            lines.append(prefix + " ".join(f"{f} {v}" for f, v in zip(_STATIC_FLAGS, flags)) + f"  # {where}")
     top = schedule.max_chain_len
     if top == 0:
         lines.append("# adaptive: no batch size speculates with a chain, so there is no --speculative-adaptive setup")
     else:
         lines.append(f"# adaptive (EAGLE/EAGLE3, topk 1): save the JSON line below as {ADAPTIVE_FILE}, then serve with")
-        lines.append(f"--speculative-num-steps {top} --speculative-eagle-topk 1 "
+        lines.append(prefix + f"--speculative-num-steps {top} --speculative-eagle-topk 1 "
                      f"--speculative-num-draft-tokens {top + 1} "
                      f"--speculative-adaptive --speculative-adaptive-config {ADAPTIVE_FILE}")
-        lines.append(json.dumps(sglang_adaptive_config(schedule)))
+        lines.append(json.dumps(sglang_adaptive_config(shifted)))
     return "\n".join(lines) + "\n"
 
 
@@ -236,21 +349,40 @@ def _tree_at(schedule: ServingSchedule, batch_size: int | None) -> Tree:
     return c.tree
 
 
-_SCHEDULE_EXPORTERS: dict[str, Callable[[ServingSchedule], Any]] = {
-    "vllm": to_vllm_schedule, "trtllm": to_trtllm_schedule, "sglang": to_sglang_schedule, "json": to_json_schedule}
+def engine_schedule(schedule: ServingSchedule, fmt: str, *, margin: int = 0,
+                    keep_zeros: bool = False) -> ServingSchedule:
+    """The schedule an engine format writes: vLLM's zeros filled where the bank's data allow (unless
+    `keep_zeros`), then every batch size moved up by the boundary `margin`; json and the tree formats
+    write the bank's own."""
+    if fmt == "vllm" and not keep_zeros:
+        schedule = fill_vllm_zeros(schedule)[0]
+    return schedule.shifted(margin) if fmt in ENGINE_FORMATS else schedule
 
 
-def export_schedule(schedule: ServingSchedule, fmt: str, *, batch_size: int | None = None) -> str | dict[str, Any]:
+def export_schedule(schedule: ServingSchedule, fmt: str, *, batch_size: int | None = None, margin: int = 0,
+                    keep_zeros: bool = False, drafter: EngineDrafter | None = None) -> str | dict[str, Any]:
     """Export `schedule` in one of `SCHEDULE_FORMATS`: ``vllm``/``trtllm``/``json`` give a dict, ``sglang`` flag
     lines, the tree formats the tree chosen at `batch_size` (default: the smallest batch size with a tree).
     With `batch_size`, the per-batch-size formats export only the choice at that measured batch size
-    (which then serves every load up to it)."""
+    (which then serves every load up to it). `margin`, `keep_zeros` and `drafter` (an EAGLE-3 bank's
+    drafter folder: the engine's EAGLE-3 settings) are described in the module docstring."""
     if not isinstance(schedule, ServingSchedule):
         raise ValueError(f"export_schedule needs a ServingSchedule, got {type(schedule).__name__}")
+    if drafter is not None and not isinstance(drafter, EngineDrafter):
+        raise ValueError(f"drafter must be an EngineDrafter or None, got {type(drafter).__name__}")
     if fmt in TREE_FORMATS:
         return export_tree(_tree_at(schedule, batch_size), fmt)
-    if fmt not in _SCHEDULE_EXPORTERS:
+    if fmt not in SCHEDULE_FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {list(SCHEDULE_FORMATS)}")
     if batch_size is not None:
         schedule = schedule.restrict(batch_size)
-    return _SCHEDULE_EXPORTERS[fmt](schedule)
+    if fmt == "json":
+        return to_json_schedule(schedule)
+    if fmt == "sglang":
+        return to_sglang_schedule(schedule, drafter, margin)
+    served = engine_schedule(schedule, fmt, margin=margin, keep_zeros=keep_zeros)
+    if fmt == "vllm":
+        cfg = to_vllm_schedule(served)
+        return cfg if drafter is None else vllm_eagle3(cfg, drafter)
+    cfg = to_trtllm_schedule(served)
+    return cfg if drafter is None else trtllm_eagle3(cfg, drafter)

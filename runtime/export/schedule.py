@@ -272,6 +272,19 @@ class ServingSchedule:
         """This schedule reduced to the choice at one measured batch size (it then serves loads up to it)."""
         return replace(self, choices=(self.choice(batch_size),))
 
+    def shifted(self, margin: int) -> ServingSchedule:
+        """The boundary margin of the engine exports: every batch size moved up by `margin`, so a load
+        of b takes the choice measured at the smallest batch size >= b - margin, and nothing speculates
+        only above the largest measured batch size + margin. An engine counts every scheduled request in
+        its batch size, prefills included, which the bank's timed decode batches did not hold; with a
+        margin, up to `margin` such extra requests (or one request arriving at a boundary) no longer
+        flip the draft length. The figures stay those measured at the original batch sizes."""
+        if not _is_int(margin) or margin < 0:
+            raise ScheduleError(f"the boundary margin must be an int >= 0 (sequences), got {margin!r}")
+        if margin == 0:
+            return self
+        return replace(self, choices=tuple(replace(c, batch_size=c.batch_size + margin) for c in self.choices))
+
     def cost_table(self) -> dict[str, Any]:
         """Step cost by batch size and tree/chain, as columns: ``batch_sizes``, ``ar_step_ms``,
         ``tree_step_ms`` / ``tree_tok_per_s`` (one row per batch size, one column per tree; empty rows

@@ -8,7 +8,14 @@ reads them back; the tests read every export back with each engine's own rules (
 * `parse_schedule` (`from_vllm_schedule`, `from_trtllm_schedule`, `from_sglang_schedule`,
   `from_json_schedule`): the per-batch-size formats, `ScheduleError` on bad input. The engine formats
   carry only part of a schedule (chain lengths, or tree shapes): their parsers fill what the format
-  holds. A tree format gives a one-choice schedule with that tree (its chain: `chain_in_tree`).
+  holds. A tree format gives a one-choice schedule with that tree (its chain: `chain_in_tree`);
+* `strip_record` takes out the record `runtime.export.notes.embed_record` puts in an export (SGLang
+  comment lines and adaptive-config key, json notes), `sglang_drafter` reads the EAGLE-3 drafter an
+  SGLang export names.
+
+These are our readings of each engine's rule, a secondary check: where the engine's package
+installs, its own code reads the exports too (tests/runtime/export/test_engines_sglang.py,
+test_drafters_speculators.py).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 from runtime.export.engines import (
     _CHOICE_FIELDS,
+    _EAGLE3_FLAGS,
     _SGLANG_HEADER,
     _STATIC_FLAGS,
     JSON_FORMAT,
@@ -28,8 +36,42 @@ from runtime.export.engines import (
     SCHEDULE_FORMATS,
     TREE_FORMATS,
 )
+from runtime.export.notes import COMMENT
 from runtime.export.schedule import ScheduleError, ServingChoice, ServingSchedule
 from runtime.tree import Tree, TreeError, TreeTypeError
+
+
+def strip_record(out: Any, fmt: str) -> Any:
+    """An export without the record `runtime.export.notes.embed_record` put in it: SGLang's
+    ``# [entmtp]`` lines and its adaptive config's ``"_entmtp"`` key, json's ``"notes"``."""
+    if fmt == "json":
+        doc = _load(out, "serving schedule JSON")
+        return {k: v for k, v in doc.items() if k != "notes"} if isinstance(doc, Mapping) else doc
+    if fmt != "sglang" or not isinstance(out, str):
+        return out
+    lines = []
+    for line in out.splitlines():
+        if line.startswith(COMMENT):
+            continue
+        if line.startswith("{"):
+            line = json.dumps({k: v for k, v in json.loads(line).items() if k != "_entmtp"})
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def sglang_drafter(text: str) -> tuple[str, str] | None:
+    """(algorithm, draft model path) named on an SGLang export's flag lines (all of them name the same),
+    or None where no line names one."""
+    found = set()
+    for line in text.splitlines():
+        tokens = line.partition("#")[0].split()
+        if tokens[:1] == [_EAGLE3_FLAGS[0]]:
+            if len(tokens) < 4 or tokens[2] != _EAGLE3_FLAGS[1]:
+                raise ScheduleError(f"expected '{_EAGLE3_FLAGS[0]} A {_EAGLE3_FLAGS[1]} PATH' first, got {line[:120]!r}")
+            found.add((tokens[1], tokens[3]))
+    if len(found) > 1:
+        raise ScheduleError(f"the flag lines name different drafters: {sorted(found)}")
+    return next(iter(found), None)
 
 
 def chain_in_tree(tree: Tree | None) -> int:
@@ -235,6 +277,8 @@ def from_sglang_schedule(obj: Any) -> ServingSchedule:
             rest = line[len(_SGLANG_HEADER):].strip()
             source = rest[1:-1] if rest.startswith("(") and rest.endswith(")") else None
             continue
+        if line.startswith(COMMENT.strip()):
+            continue  # the export's record (runtime.export.notes)
         if line.startswith("{"):
             if adaptive is not None:
                 raise ScheduleError(f"line {n}: a second adaptive config")
@@ -247,6 +291,8 @@ def from_sglang_schedule(obj: Any) -> ServingSchedule:
                 static[_int(int(size.group(1)), f"line {n}: batch size", 1)] = None
             continue  # a comment
         tokens = flags.split()
+        if tokens[:1] == [_EAGLE3_FLAGS[0]]:
+            tokens = tokens[4:]  # the EAGLE-3 drafter (`sglang_drafter` reads it)
         if "--speculative-adaptive" in tokens:
             continue  # the adaptive launch line; its values follow from the config
         if not size:

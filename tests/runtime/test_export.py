@@ -42,7 +42,8 @@ from runtime.export.schedule import (
 )
 from runtime.tree import Tree, TreeError
 from tests.helpers import SIX_NODE_TREE, TinyBundle, make_bank, reseal, trees
-from tests.helpers.engine_parsers import chain_in_tree, from_json, from_trtllm, from_vllm, parse_schedule, parse_tree
+from tests.helpers.engine_parsers import (chain_in_tree, from_json, from_trtllm, from_vllm, parse_schedule, parse_tree,
+                                          strip_record)
 
 SMALL = Tree([(1,), (0, 0), (0,)])
 
@@ -602,10 +603,12 @@ def test_cli_export_every_format(bundle: TinyBundle, tmp_path: Path, fmt: str,
     for folder in (bundle.bank_dir, _with_batch_axis(bundle, tmp_path / "bank")):
         schedule = TopologyBank.load(folder).serving_schedule()
         assert main(["export", str(folder), "--format", fmt]) == 0
-        out = capsys.readouterr().out
+        out, err = capsys.readouterr()
+        assert err.startswith("[entmtp] EntMTP export for ") and "drafter hydra" in err  # the record, on stderr
         want = normalized(export_schedule(schedule, fmt))
         printed = _read_cli(out if fmt == "sglang" else out.rstrip("\n"), fmt)
-        assert printed == want
+        assert strip_record(printed, fmt) == want  # the record is inside only where the engine ignores it
+        assert (printed != want) == (fmt in ("sglang", "json"))
         parsed = parse_schedule(printed, fmt)
         assert normalized(export_schedule(parsed, fmt)) == want
         if fmt == "json":
@@ -621,7 +624,7 @@ def test_cli_export_every_format(bundle: TinyBundle, tmp_path: Path, fmt: str,
                 continue
             assert main(["export", str(folder), "--format", fmt, "--batch-size", str(b)]) == 0
             out = capsys.readouterr().out
-            assert _read_cli(out if fmt == "sglang" else out.rstrip("\n"), fmt) == normalized(
+            assert strip_record(_read_cli(out if fmt == "sglang" else out.rstrip("\n"), fmt), fmt) == normalized(
                 export_schedule(schedule, fmt, batch_size=b))
 
 
