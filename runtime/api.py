@@ -22,7 +22,8 @@ import torch
 from runtime.bank import BankError, TopologyBank
 from runtime.decoder import Acceptance, Drafter, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
 from runtime.device import clock, resolve_device, torch_dtype
-from runtime.dynamic import DynamicPolicy
+from runtime.dynamic import DynamicPolicy, StepTreePolicy
+from runtime.eagle2 import EAGLE2, Eagle2Policy, Eagle2Settings
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import load_heads
 from runtime.model.llama import Transformer
@@ -147,7 +148,7 @@ class EntMTP:
     def scheduler(self, policy: str | int | None = None) -> Scheduler | DynamicPolicy | int:
         """`policy`: a stored policy name (static, ladder, hysteresis, expected_throughput),
         "dynamic" (EntMTP-dyn: a fresh `DynamicPolicy` from the bank's dynamic entry, see
-        `dynamic_policy`), a tree index (an int, or its digits as a string), or None for the
+        `dynamic_policy`), "eagle2" (EAGLE-2's dynamic tree, `eagle2_policy`: no bank tree), a tree index (an int, or its digits as a string), or None for the
         bank's default. What it returns is the decoder's `choose`."""
         # `is None`, not `or`: policy=0 (the smallest tree) must not mean "the default policy"
         name = self.bank.default_policy if policy is None else policy
@@ -162,8 +163,10 @@ class EntMTP:
             return self.bank.best_static
         if name == DYNAMIC:
             return self.dynamic_policy()
+        if name == EAGLE2:
+            return self.eagle2_policy()
         if name not in self.bank.policies:
-            names = sorted({"static", *self.bank.policies, *([DYNAMIC] if self.bank.dynamic else [])})
+            names = sorted({"static", EAGLE2, *self.bank.policies, *([DYNAMIC] if self.bank.dynamic else [])})
             raise ValueError(f"unknown policy {name!r}; this bank has: {', '.join(names)} or a tree index")
         return Scheduler(policy_from_dict(self.bank.policies[name]), len(self.bank.trees))
 
@@ -180,10 +183,16 @@ class EntMTP:
                              "or a tree index")
         return self.bank.dynamic_policy()
 
-    def _tree_nodes(self, choose: Scheduler | DynamicPolicy | int) -> int | None:
+    def eagle2_policy(self, settings: Eagle2Settings | None = None) -> Eagle2Policy:
+        """EAGLE-2's dynamic tree (`policy="eagle2"`, `runtime.eagle2`) drafted by this engine's
+        drafter: `settings` (default: SGLang's, depth 5, top-4, 8 tokens) capped to the depth the
+        drafter drafts. A baseline: it reads nothing the bank measured."""
+        return Eagle2Policy((settings or Eagle2Settings()).capped(self.heads.max_depth))
+
+    def _tree_nodes(self, choose: Scheduler | StepTreePolicy | int) -> int | None:
         """The most nodes a step of `choose` verifies when it is not the bank's largest tree (a
         DynamicPolicy's super-tree), for the context-window checks; None: the bank's largest."""
-        return choose.num_nodes if isinstance(choose, DynamicPolicy) else None
+        return choose.num_nodes if isinstance(choose, StepTreePolicy) else None
 
     def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
         """Token ids of `prompt` (text through the chat template unless chat=False, or ids as

@@ -1,6 +1,6 @@
 """`entmtp` command line: generate with a bank, inspect a bank, export its trees.
 
-  entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval --prompt "..." [--policy hysteresis|dynamic] [--compare-ar]
+  entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval --prompt "..." [--policy hysteresis|dynamic|eagle2] [--compare-ar]
   entmtp generate --bank ... --prompts-file prompts.txt --batch 4 [--compare-ar]
   entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval
   entmtp export   artifacts/banks/.../humaneval --format vllm|trtllm|sglang|json [--batch-size B] [--margin N]
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--policy", default=None,
                    help="static | ladder | hysteresis | expected_throughput | dynamic (EntMTP-dyn: a per-step subset "
-                        "of the bank's super-tree; banks built with dynamic.enabled=true) | a tree index "
+                        "of the bank's super-tree; banks built with dynamic.enabled=true) | eagle2 (the EAGLE-2 "
+                        "dynamic tree, SGLang's default settings: a baseline) | a tree index "
                         "(default: the bank's)")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 = seeded sampling, token-identical to seeded AR")

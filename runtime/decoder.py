@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from runtime.device import clock
-from runtime.dynamic import DYNAMIC_TREE, DynamicPolicy
+from runtime.dynamic import DYNAMIC_TREE, StepTreePolicy
 from runtime.model.batch import BatchItem
 from runtime.model.cache import KVCache
 from runtime.model.llama import Transformer
@@ -175,12 +175,12 @@ def acceptance_dict(acceptance: Acceptance) -> dict[str, float | str]:
 
 @dataclass
 class StepRecord:
-    tree: int          # index of the tree used in this step; DYNAMIC_TREE (-1): a DynamicPolicy's subset
+    tree: int          # index of the tree used in this step; DYNAMIC_TREE (-1): a StepTreePolicy's own tree
     accepted: int      # accepted draft tokens (tokens emitted this step = accepted + 1)
     seconds: float     # wall time of the whole step (choose + draft + verify + accept)
     signal: float      # the value the policy saw (nan for a fixed schedule and a DynamicPolicy)
     nodes: int = 0     # nodes verified in this step (the tree's size)
-    depth: int = -1    # the depth a DynamicPolicy drafted its super-tree to (-1: a bank tree's step)
+    depth: int = -1    # the depth a StepTreePolicy drafted to (-1: a bank tree's step)
 
 
 @dataclass
@@ -325,7 +325,7 @@ class TreeDecoder:
         self,
         input_ids: Sequence[int],
         max_new_tokens: int,
-        choose: Scheduler | DynamicPolicy | int = 0,
+        choose: Scheduler | StepTreePolicy | int = 0,
         eos_ids: Sequence[int] | None = None,
         stream: Callable[[list[int]], None] | None = None,
         sampler: Sampler | None = None,
@@ -333,7 +333,8 @@ class TreeDecoder:
         """Decode up to `max_new_tokens` new tokens after `input_ids`.
 
         `choose` is a fixed tree index, a `Scheduler` (a policy and its signal) that picks the
-        tree before every step, or a `runtime.dynamic.DynamicPolicy` (EntMTP-dyn). `stream` receives each step's emitted tokens. `sampler` picks
+        tree before every step, or a `runtime.dynamic.StepTreePolicy` that builds each step's tree (EntMTP-dyn's
+        `DynamicPolicy`, EAGLE-2's `runtime.eagle2.Eagle2Policy`). `stream` receives each step's emitted tokens. `sampler` picks
         every emitted token (default: greedy); the output equals `ar_generate` with the same sampler.
 
         A step waits for the device once: when its emitted tokens (and, for signals that read the
@@ -359,7 +360,7 @@ class TreeDecoder:
         self,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | Sequence[int],
-        choose: Scheduler | DynamicPolicy | int | Sequence[Scheduler | DynamicPolicy | int] = 0,
+        choose: Scheduler | StepTreePolicy | int | Sequence[Scheduler | StepTreePolicy | int] = 0,
         eos_ids: Sequence[int] | None = None,
         sampler: Sampler | None = None,
         on_step: Callable[[], None] | None = None,
@@ -403,7 +404,7 @@ class TreeDecoder:
         try:
             for seq in seqs:
                 seq.cache = model.new_cache(min(model.max_seq_len, len(seq.input_ids) + seq.max_new_tokens + (
-                    seq.choose.num_nodes if isinstance(seq.choose, DynamicPolicy) else self._max_nodes)))
+                    seq.choose.num_nodes if isinstance(seq.choose, StepTreePolicy) else self._max_nodes)))
                 seq.heads_state = heads.new_state()
                 self._enter(seq)
                 self._prefill(seq)
@@ -446,7 +447,7 @@ class TreeDecoder:
 
     # -- one sequence's decode, in phases that `generate` and `generate_batch` share ---------------
 
-    def _open(self, input_ids: Sequence[int], max_new_tokens: int, choose: Scheduler | DynamicPolicy | int,
+    def _open(self, input_ids: Sequence[int], max_new_tokens: int, choose: Scheduler | StepTreePolicy | int,
               eos_ids: Sequence[int] | None, stream: Callable[[list[int]], None] | None,
               sampler: Sampler | None) -> _Sequence:
         sampler = sampler if sampler is not None else Sampler()
@@ -457,12 +458,12 @@ class TreeDecoder:
             raise ValueError("empty prompt: give at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if isinstance(choose, DynamicPolicy):
+        if isinstance(choose, StepTreePolicy):
             choose.prepare(self.model.device, self.heads.max_depth)
             if choose.depth >= len(self._offsets):   # slots of an accepted path after compaction
                 self._offsets = torch.arange(choose.depth + 1, device=self.model.device)
         self.check_fits(len(input_ids), max_new_tokens,
-                        choose.num_nodes if isinstance(choose, DynamicPolicy) else None)
+                        choose.num_nodes if isinstance(choose, StepTreePolicy) else None)
         eos = set(eos_ids if eos_ids is not None else self.model.args.eos_token_ids)
         fixed = isinstance(choose, int)
         if fixed and not 0 <= choose < len(self.trees):
@@ -470,9 +471,9 @@ class TreeDecoder:
         if isinstance(choose, Scheduler):
             choose.policy.check_bank(len(self.trees))
             choose.reset()
-        elif not fixed and not isinstance(choose, DynamicPolicy):
+        elif not fixed and not isinstance(choose, StepTreePolicy):
             raise ValueError(f"choose must be a tree index, a runtime.policy.Scheduler or a runtime.dynamic."
-                             f"DynamicPolicy, got {type(choose).__name__}")
+                             f"StepTreePolicy (DynamicPolicy, runtime.eagle2.Eagle2Policy), got {type(choose).__name__}")
         return _Sequence(list(input_ids), max_new_tokens, choose, eos, stream, sampler)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int, tree_nodes: int | None = None) -> None:
@@ -541,7 +542,7 @@ class TreeDecoder:
         # transfer); device work queued after it (the heads' observation) counts in this step.
         seq.step_t0 = time.perf_counter()
         seq.start = self.model.cache_len
-        if tree is None and isinstance(seq.choose, DynamicPolicy):
+        if tree is None and isinstance(seq.choose, StepTreePolicy):
             seq.tree, seq.signal = DYNAMIC_TREE, math.nan
             seq.buf, seq.drafted, seq.depth = seq.choose.draft(self.heads, seq.h, seq.root)
             return False
@@ -624,7 +625,7 @@ class _Sequence:
 
     input_ids: list[int]
     max_new_tokens: int
-    choose: Scheduler | DynamicPolicy | int
+    choose: Scheduler | StepTreePolicy | int
     eos: set[int]
     stream: Callable[[list[int]], None] | None
     sampler: Sampler

@@ -122,6 +122,34 @@ class Calibration:
         return "Calibration(identity)" if self.is_identity else f"Calibration({len(self.xs)} depths)"
 
 
+class StepTreePolicy:
+    """A `choose` for `runtime.decoder.TreeDecoder` that builds every step's tree itself from the
+    drafter's scores, rather than picking one of the decoder's compiled trees: EntMTP-dyn's
+    `DynamicPolicy` and EAGLE-2's dynamic tree (`runtime.eagle2.Eagle2Policy`). The decoder reads
+    `num_nodes` (the most nodes a step verifies: room in the KV cache) and `depth` (the deepest a
+    step drafts), calls `prepare` when a decode starts and `draft` every step; its steps are
+    recorded with tree index DYNAMIC_TREE. Verification does not care which tree it checks, so
+    every such policy is lossless."""
+
+    @property
+    def num_nodes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def depth(self) -> int:
+        raise NotImplementedError
+
+    def prepare(self, device: torch.device | str, num_heads: int) -> None:
+        """Check the policy against a drafter that drafts `num_heads` deep, and move what it holds
+        to `device` (once per decode, before the first step)."""
+        raise NotImplementedError
+
+    def draft(self, heads: Any, h: torch.Tensor, root: int) -> tuple[TreeBuffers, torch.Tensor, int]:
+        """One step's tree, drafted with `heads` (a `runtime.decoder.Drafter`) from context h after
+        token `root`: (its buffers, its tokens [n] in buffer order, the depth drafted)."""
+        raise NotImplementedError
+
+
 @dataclass
 class _Subset:
     """A cached subset of the super-tree: its node indices in S [n] and its buffers."""
@@ -130,7 +158,7 @@ class _Subset:
     buffers: TreeBuffers
 
 
-class DynamicPolicy:
+class DynamicPolicy(StepTreePolicy):
     """Pass as `choose` to `TreeDecoder.generate` / `generate_batch`: every step drafts the
     super-tree S, scores it, and verifies the best subset of its nodes (see the module docstring).
 

@@ -404,9 +404,22 @@ class DynamicConfig:
 
 
 @dataclass
+class Eagle2EvalConfig:
+    """The EAGLE-2 dynamic-tree baseline row of the evaluate stage (`runtime.eagle2`), drafted by the
+    bank's drafter. Defaults: SGLang's (speculative_num_steps 5, speculative_eagle_topk 4,
+    speculative_num_draft_tokens 8), the depth capped to what the drafter drafts."""
+
+    enabled: bool = True
+    depth: int = at_least(5, 1)         # tree depth below the root
+    topk: int = at_least(4, 1)          # frontier width, and children per expanded node
+    total_tokens: int = at_least(8, 1)  # nodes verified per step, the root included
+
+
+@dataclass
 class EvaluateConfig:
     max_new_tokens: int = at_least(MISSING, 1)
     hf_generate: bool = True           # include transformers generate as a baseline
+    eagle2: Eagle2EvalConfig = field(default_factory=Eagle2EvalConfig)   # the EAGLE-2 baseline row
     # batched evaluation (after the single-sequence table): the eval prompts decoded in groups of
     # each of these batch sizes by batched AR and the bank's methods (batch_table.md); each >= 1
     # and at most batch_prompts; empty: no batched evaluation (needs lossless=exact)

@@ -6,6 +6,7 @@ from omegaconf import DictConfig
 
 POLICY_LABELS = {"ladder": "EntMTP-l", "hysteresis": "EntMTPτ", "expected_throughput": "expected-throughput"}
 DYNAMIC_LABEL = "EntMTP-dyn"
+EAGLE2_LABEL = "EAGLE-2 tree"   # EAGLE-2's dynamic tree (runtime.eagle2), the field's default baseline
 
 
 def decoding_words(cfg: DictConfig) -> str:

@@ -1,8 +1,10 @@
 """Every decoding method side by side, the paper's Table 1 on our model and machine, on the held-out `eval` split.
 
 Every prompt is decoded by every method in turn (interleaved, so drift of a shared machine hits
-all methods alike). Figures: tok/s with and without prefill, tokens per step, speedups against
-AR and against Hydra's default tree, the share of outputs token-identical to AR, continuation
+all methods alike). Besides the bank's methods, EAGLE-2's dynamic tree (runtime/eagle2.py, the
+field's default: SGLang's settings) drafted by the bank's own drafter is a baseline row.
+Figures: tok/s with and without prefill, tokens per step, speedups against AR and against
+Hydra's default tree, the share of outputs token-identical to AR, continuation
 perplexity under the base model, and the oracle's replayed figure (best tree per step in
 hindsight over the bank, an upper bound for any policy over it).
 
@@ -32,9 +34,10 @@ from tqdm.auto import tqdm
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
 from pipeline.evaluate.batch import evaluate_batches
-from pipeline.evaluate.labels import DYNAMIC_LABEL, POLICY_LABELS, decoding_words
+from pipeline.evaluate.labels import DYNAMIC_LABEL, EAGLE2_LABEL, POLICY_LABELS, decoding_words
 from pipeline.loaders import RuntimeSpec
 from runtime.device import clock
+from runtime.eagle2 import Eagle2Policy, Eagle2Settings
 
 Decode = Callable[[list[int], int], dict[str, Any]]
 
@@ -216,7 +219,7 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec:
         log.info("%s", f"[evaluate] Medusa heads not available ({e}); skipping the Medusa row")
     df, recs = compare_methods(model, hydra, bank, rows, int(cfg.evaluate.max_new_tokens), int(cfg.profile.rank_cap),
                                sampler, medusa=medusa, hf=hf, acceptance=acceptance_from_cfg(cfg.acceptance),
-                               desc=f"evaluate {cfg.task.name}")
+                               desc=f"evaluate {cfg.task.name}", eagle2=eagle2_settings(cfg))
     if sampler.greedy:
         divergences = list_divergences(model, rows, recs, str(model.dtype).removeprefix("torch."))
         atomic_write_json(out / "divergences.json", {"lossless": str(cfg.lossless), "dtype": str(model.dtype),
@@ -256,10 +259,26 @@ def evaluate(cfg: DictConfig, out: Path, bank_dir: Path, rows: list[dict], spec:
 
 
 
+def eagle2_settings(cfg: DictConfig) -> Eagle2Settings | None:
+    """The EAGLE-2 row's settings from `evaluate.eagle2` (None: the row is left out)."""
+    e = cfg.evaluate.get("eagle2")
+    if e is None:
+        return Eagle2Settings()
+    if not e.enabled:
+        return None
+    return Eagle2Settings(int(e.depth), int(e.topk), int(e.total_tokens))
+
+
 def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: int, sampler=None, medusa=None,
-                    hf: Decode | None = None, acceptance="exact", desc: str = "evaluate") -> tuple[pd.DataFrame, dict[str, list[dict]]]:
+                    hf: Decode | None = None, acceptance="exact", desc: str = "evaluate",
+                    eagle2: Eagle2Settings | None = Eagle2Settings()) -> tuple[pd.DataFrame, dict[str, list[dict]]]:
     """Decode every prompt of `rows` ({"id", "input_ids"}) with every method, interleaved, and
     tabulate (one row per method, then the replayed oracle); also return each method's records.
+
+    `eagle2`: the `runtime.eagle2.Eagle2Settings` of the EAGLE-2 row (drafted by `hydra`, the bank's
+    drafter, its depth capped to the drafter's; default: SGLang's settings; None: no such row).
+    It decodes with exact acceptance only, and has no replayed figure (its tree is not one of the
+    bank's, nor a subset of a fixed super-tree that a rollout scores).
 
     `sampler` (default greedy) is the one every exact method and AR decode with; at temperature
     > 0 typical acceptance rows and the distance columns of pipeline/evaluate/sampling.py are added.
@@ -298,6 +317,10 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
     if dynamic is not None:
         # one policy for every prompt, as a server keeps it: its subset cache stays warm
         methods[DYNAMIC_LABEL] = _spec_method(bank_dec, lambda: dynamic, sampler)
+    eagle2_policy = _eagle2_policy(eagle2, hydra) if acceptance == "exact" else None
+    if eagle2_policy is not None:
+        # as EntMTP-dyn: one policy for every prompt (its cache of compiled tree shapes stays warm)
+        methods[EAGLE2_LABEL] = _spec_method(bank_dec, lambda: eagle2_policy, sampler)
     if not sampler.greedy:
         for label, dec in typical_decoders(model, hydra, mc, bank.buffers[bank.best_static], sampler.config).items():
             methods[label] = _spec_method(dec, 0)  # typical acceptance draws with its own temperature
@@ -386,7 +409,21 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
             df.attrs["dynamic_check"] = check
         df["replayed_tok_per_s"] = df.method.map(replayed).fillna(df.get("replayed_tok_per_s"))
         df["replayed_share_of_oracle"] = df.replayed_tok_per_s / oracle_dec
+    if eagle2_policy is not None:   # (after the concatenations, which drop a frame's attrs)
+        df.attrs["eagle2"] = eagle2_policy.settings.to_dict()
     return df, recs
+
+
+def _eagle2_policy(settings: Eagle2Settings | None, drafter: Any) -> Eagle2Policy | None:
+    """The EAGLE-2 row's policy for `drafter`: `settings` with the depth capped to what the
+    drafter drafts; None for no row."""
+    if settings is None:
+        return None
+    capped = settings.capped(drafter.max_depth)
+    if capped != settings:
+        log.info("%s", f"[evaluate] EAGLE-2 settings {settings} capped to {capped}: the drafter drafts "
+                       f"{drafter.max_depth} tokens")
+    return Eagle2Policy(capped)
 
 
 def dynamic_check(replay, rollouts: list[dict], recs: list[dict], ar_tokens: dict[str, list[int]]) -> dict[str, Any]:
@@ -439,6 +476,12 @@ def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
         cols += ["replayed_tok_per_s", "replayed_share_of_oracle"]
         head += ("replayed_tok_per_s: the bank's methods replayed on the AR continuations of these prompts at the "
                  "bank's step costs, as the oracle is; replayed_share_of_oracle: its share of the oracle's.\n\n")
+    e2 = df.attrs.get("eagle2")
+    if e2 is not None:
+        head += (f"{EAGLE2_LABEL}: EAGLE-2's dynamic tree (arXiv 2406.16858) drafted by the same drafter, depth "
+                 f"{e2['depth']}, top-{e2['topk']}, {e2['total_tokens']} nodes verified per step (`evaluate.eagle2`: "
+                 "SGLang's defaults, the depth capped to the drafter's); drafting costs one drafter pass per depth over the "
+                 "top-k frontier, as EAGLE-2's does.\n\n")
     if "vs_ordinary_ar" in df.columns:
         cols.insert(5, "vs_ordinary_ar")
         head += ("speedup_vs_ar: against AR in the row-invariant arithmetic every exact method decodes in (the "
