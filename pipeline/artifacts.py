@@ -46,6 +46,7 @@ from typing import Any
 
 from runtime.fingerprint import file_sha256, files_fingerprint
 from runtime.io import atomic_write_bytes, fsync_dir
+from runtime.machine import cpu_name_and_flags
 
 __all__ = ["atomic_write_bytes", "atomic_write_json", "files_fingerprint", "fsync_dir"]  # re-exported for stages
 
@@ -113,16 +114,8 @@ def versions() -> dict[str, str]:
 
 
 def _cpu_name_and_flags() -> tuple[str, str]:
-    cpu = platform.processor() or platform.machine()
-    flags = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("", platform.machine()):
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line
-                break
-    return cpu, flags
+    # the runtime's reader, so what a bank records is what `EntMTP.load` compares it with
+    return cpu_name_and_flags()
 
 
 def cpu_identity() -> dict[str, Any]:

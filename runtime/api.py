@@ -12,6 +12,8 @@ enough; `model_dir=` / `heads_dir=` override those paths (the fingerprints are s
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +21,14 @@ from typing import Any
 
 import torch
 
-from runtime.bank import BankError, TopologyBank
+from runtime.bank import BankError, BankProvenanceWarning, TopologyBank
 from runtime.decoder import Acceptance, Drafter, GenerationResult, TreeDecoder, acceptance_dict, make_acceptance
 from runtime.device import clock, resolve_device, torch_dtype
 from runtime.dynamic import DynamicPolicy, StepTreePolicy
 from runtime.eagle2 import EAGLE2, Eagle2Policy, Eagle2Settings
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
 from runtime.heads import load_heads
+from runtime.machine import here, provenance_differences
 from runtime.model.llama import Transformer
 from runtime.model.checkpoint import load_model, load_tokenizer
 from runtime.policy import BatchScheduler, Scheduler, policy_from_dict
@@ -61,6 +64,57 @@ def render_chat(model_dir: Path, prompt: str, system: str | None = None) -> str:
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                             bos_token=special("bos_token"), eos_token=special("eos_token"))
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """What a batch of `load` sequences decodes with when no policy is named (`batch_choice`): the
+    bank's choice at `measured`, the smallest measured batch size >= load (None above the largest,
+    where the bank does not speculate): tree index `tree`, the batch scheduler (`scheduler`), or
+    neither, which is AR, decoded by the runtime's batched AR (`runtime.ar.ar_generate_batch`).
+    `text` says so ("bank's choice for B=4: tree 2 (12 nodes)")."""
+
+    load: int
+    measured: int | None
+    tree: int | None
+    scheduler: bool
+    text: str
+
+    @property
+    def ar(self) -> bool:
+        return self.tree is None and not self.scheduler
+
+
+# A batch-size entry of bank.json may record the batch scheduler's *measured* batch tok/s at its
+# batch size (same convention as its "tok_per_s"); where that beats the static choice, the batch
+# scheduler is the default there. The replays in the bank's oracle are not measurements.
+SCHEDULER_TOK_PER_S = "scheduler_tok_per_s"
+
+
+def _measured(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def batch_choice(bank: TopologyBank, load: int) -> BatchChoice:
+    """The bank's choice for a batch of `load` sequences (`ServingSchedule.choice_for`: that of the
+    smallest measured batch size >= load; AR above the largest, where the bank does not speculate),
+    or the batch scheduler where the bank's entry records it measured faster than that choice (and
+    the bank has the expected_throughput policy it runs on)."""
+    schedule = bank.serving_schedule()
+    c = schedule.choice_for(load)
+    if c is None:
+        return BatchChoice(load, None, None, False, f"above the bank's largest measured batch size "
+                           f"({schedule.batch_sizes[-1]}), where it does not speculate: AR")
+    b = c.batch_size
+    entry = next(e for key, e in bank.batch_schedule.items() if int(key) == b)
+    k = c.tree_index
+    static = c.tok_per_s if k is not None else entry.get("ar_tok_per_s")
+    timed = entry.get(SCHEDULER_TOK_PER_S)
+    what = "AR" if k is None else f"tree {k} ({c.nodes} nodes)"
+    if _measured(timed) and _measured(static) and timed > static and "expected_throughput" in bank.policies:
+        return BatchChoice(load, b, None, True, f"bank's choice for B={b}: the batch scheduler (measured "
+                           f"{timed:.1f} tok/s vs {static:.1f} for {what})")
+    return BatchChoice(load, b, k, False, f"bank's choice for B={b}: {what}")
 
 
 LOSSLESS_MODES = ("exact", "numerical")
@@ -112,6 +166,10 @@ class EntMTP:
         `device` to the one the bank was built on, or the CPU, with a warning, when that device
         is not available here; `acceptance` to the bank's (see `EntMTP.__init__`).
 
+        A bank measured elsewhere (another CPU or GPU model, dtype, small-row kernel or torch thread
+        count than this load: `runtime.machine.provenance_differences`) loads with one
+        `BankProvenanceWarning` naming what differs; `entmtp inspect BANK --check` re-times it.
+
         `lossless`: "exact" makes every decode forward row-invariant (`Transformer.set_row_invariance`,
         padded to `invariant_rows` rows), so `generate` equals `generate_ar` token for token in any
         dtype; "numerical" keeps the ordinary, fastest arithmetic, where a bf16 tree verify and a
@@ -134,6 +192,12 @@ class EntMTP:
         recorded = prov.get("device") or (prov.get("config") or {}).get("device")
         dev = resolve_device(device, recorded)
         model = load_model(model_dir, dtype=torch_dtype(dt), max_seq_len=max_seq_len, device=dev)
+        elsewhere = provenance_differences(prov, here(dev), dt)
+        if elsewhere:
+            warnings.warn(f"bank {bank_dir} was measured elsewhere: {'; '.join(elsewhere)}. Decoding stays lossless, "
+                          "but its figures and per-batch-size choices may not hold here: re-time them with "
+                          f"`entmtp inspect {bank_dir} --check`, or rebuild the bank on this machine "
+                          "(`make bank TASK=<task>`)", BankProvenanceWarning, stacklevel=2)
         mode = lossless or prov.get("lossless") or "exact"
         if mode not in LOSSLESS_MODES:
             raise ValueError(f"lossless must be one of {', '.join(LOSSLESS_MODES)}, got {mode!r}")
@@ -324,11 +388,16 @@ class EntMTP:
     ) -> list[Generation]:
         """Decode several prompts together, `batch_size` at a time (default: all at once): each step
         verifies every live sequence's tree in one forward, each sequence with its own cache,
-        positions and tree (`policy` as in `generate`, one scheduler per sequence, "dynamic" one
-        DynamicPolicy per sequence; or "batch": every sequence's tree chosen together,
-        `batch_scheduler`), and a sequence leaves the batch when it finishes. Lossless per
+        positions and tree, and a sequence leaves the batch when it finishes. Lossless per
         sequence: under the exact lossless mode every output equals that prompt decoded alone by
         AR, whatever shares the batch.
+
+        `policy` None (the default) follows the bank's choice for each batch's size (`batch_choice`:
+        a tree, the batch scheduler where the bank measured it faster, or AR, which then decodes
+        with the runtime's batched AR); a named policy as in `generate` (one scheduler per
+        sequence, "dynamic" one DynamicPolicy per sequence), or "batch" (every sequence's tree
+        chosen together, `batch_scheduler`), overrides it. Each result's stats["choice"] says what
+        decoded its batch.
 
         A prompt that cannot be decoded (empty, or too long for the KV cache without `truncate`)
         comes back with `error` set and no tokens; the others are decoded. `ar=True` decodes with
@@ -347,7 +416,7 @@ class EntMTP:
         decoder = self.decoder_for(None)
         # a bad policy name fails here, once, before any prompt is decoded; a dynamic policy's
         # super-tree (which may outgrow the bank's trees) sets the room each prompt needs
-        nodes = None if ar or policy == "batch" else self._tree_nodes(self.scheduler(policy))
+        nodes = None if ar or policy in (None, "batch") else self._tree_nodes(self.scheduler(policy))
         out: list[Generation | None] = [None] * len(prompts)
         ready: list[tuple[int, list[int]]] = []
         for k, prompt in enumerate(prompts):
@@ -362,11 +431,15 @@ class EntMTP:
             group = ready[first:first + size]
             ids = [g[1] for g in group]
             per_seq: list = [None] * len(group)   # each sequence's `choose` (its stats)
+            plan = self.batch_choice(len(group)) if policy is None and not ar else None
+            choice = "AR" if ar else plan.text if plan is not None else f"policy {policy!r} (named)"
             t0 = clock(self.model.device)
-            if ar:
+            if ar or plan is not None and plan.ar:
                 results = [GenerationResult(tokens=t) for t in ar_generate_batch(self.model, ids, max_new_tokens,
                                                                                  sampler=sampler)]
-            elif policy == "batch":
+            elif plan is not None and not plan.scheduler:
+                results = decoder.generate_batch(ids, max_new_tokens, choose=plan.tree, sampler=sampler)
+            elif policy == "batch" or plan is not None:
                 chooses, batch_policy = self.batch_scheduler()
                 results = decoder.generate_batch(ids, max_new_tokens, choose=[chooses() for _ in ids], sampler=sampler,
                                                  batch_policy=batch_policy)
@@ -382,11 +455,16 @@ class EntMTP:
                     stats["trees_used"] = {self.bank.trees[t].num_nodes: n for t, n in stats["trees_used"].items()}
                 if isinstance(choose, DynamicPolicy):
                     stats["dynamic_cache"] = _cache_stats(choose)
-                stats.update(batch_size=len(group), batch_seconds=round(seconds, 4),
+                stats.update(choice=choice, batch_size=len(group), batch_seconds=round(seconds, 4),
                              batch_tok_per_s=round(batch_tokens / seconds, 2) if seconds > 0 else float("nan"))
                 text = self.tokenizer.decode(res.tokens) if self.tokenizer is not None else ""
                 out[k] = Generation(text=text, tokens=res.tokens, stats=stats, result=res)
         return [g for g in out if g is not None]
+
+    def batch_choice(self, load: int) -> BatchChoice:
+        """What `generate_batch` decodes a batch of `load` sequences with when no policy is named
+        (`batch_choice`)."""
+        return batch_choice(self.bank, load)
 
     def batch_scheduler(self) -> tuple[Callable[[], Scheduler], BatchScheduler]:
         """`policy="batch"` of `generate_batch`: a factory of per-sequence schedulers (their signal)

@@ -71,6 +71,12 @@ class BankFingerprintWarning(UserWarning):
     """A bank built for other weights, loaded anyway with force=True."""
 
 
+class BankProvenanceWarning(UserWarning):
+    """A bank measured on another machine, dtype, kernel or thread count than this process decodes
+    with (`runtime.machine.provenance_differences`): decoding stays lossless, its figures and
+    choices may not hold (`entmtp inspect BANK --check` re-times them)."""
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

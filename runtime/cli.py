@@ -2,7 +2,7 @@
 
   entmtp generate --bank artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval --prompt "..." [--policy hysteresis|dynamic|eagle2] [--compare-ar]
   entmtp generate --bank ... --prompts-file prompts.txt --batch 4 [--compare-ar]
-  entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval
+  entmtp inspect  artifacts/banks/smollm2-135m-instruct/hydra-draft8192/humaneval [--check]
   entmtp export   artifacts/banks/.../humaneval --format vllm|trtllm|sglang|json [--batch-size B] [--margin N]
                   [--drafter-out DIR] [--out FILE]   (header and caveats on stderr; FILE.entmtp.json beside FILE)
   entmtp export   artifacts/banks/.../humaneval --format legacy-vllm-tree|legacy-trtllm-medusa|tree-json [--tree best|K]
@@ -45,10 +45,6 @@ def _generate_batch(args: argparse.Namespace, engine, sampling: dict) -> int:
         print(f"entmtp: {err}", file=sys.stderr)
         return 2
     batch = args.batch or len(prompts)
-    timed = sorted(int(b) for b in engine.bank.batch_schedule)  # every loaded bank has its batch axis
-    if batch > timed[-1]:
-        print(f"[entmtp] the bank was timed up to batch size {timed[-1]}; batches of {batch} use its choices for "
-              f"{timed[-1]}", file=sys.stderr)
     kw = dict(max_new_tokens=args.max_new_tokens, batch_size=batch, chat=not args.raw, truncate=args.truncate,
               **sampling)
     outs = engine.generate_batch(prompts, policy=args.policy, **kw)
@@ -66,6 +62,9 @@ def _generate_batch(args: argparse.Namespace, engine, sampling: dict) -> int:
     if not done:
         print("[entmtp] no prompt could be decoded", file=sys.stderr)
         return 1
+    # what decoded each batch size: the bank's choice for it (no --policy) or the named policy
+    for size, choice in dict.fromkeys((o.stats["batch_size"], o.stats["choice"]) for o in done):
+        print(f"[entmtp] batch of {size}: {choice}", file=sys.stderr)
     speed = _batch_speed(done)
     summary = f"[entmtp] {len(done)} prompts in batches of {batch}: EntMTP {speed:.1f} tok/s"
     if args.compare_ar:
@@ -122,7 +121,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    """`inspect --check`: re-time the bank's choice at each batch size here; 0 when all hold, else 1."""
+    from runtime.api import EntMTP
+    from runtime.check import check_bank
+
+    if args.seconds <= 0 or (args.new_tokens is not None and args.new_tokens < 1):
+        print("entmtp: --seconds must be > 0 and --new-tokens at least 1", file=sys.stderr)
+        return 2
+    engine = EntMTP.load(args.bank)
+    checks = check_bank(engine, seconds=args.seconds, new_tokens=args.new_tokens, report=lambda s: print(s, flush=True))
+    failed = [c for c in checks if not c.holds]
+    if failed:
+        sizes = ", ".join(str(c.batch_size) for c in failed)
+        print(f"{len(failed)} of {len(checks)} choices do not hold here (B = {sizes}): "
+              "rebuild the bank on this machine (`make bank TASK=<task>`), or rerun with more --seconds where one is "
+              "not confirmed")
+        return 1
+    print(f"all {len(checks)} choices hold here")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
+    if args.check:
+        return _check(args)
     bank = TopologyBank.load(args.bank, force=True)
     print(bank.summary())
     prov = bank.provenance
@@ -248,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompt", help="prompt text (default: read stdin)")
     g.add_argument("--prompts-file", default=None, help="decode many prompts: one per line, or JSON lines")
     g.add_argument("--batch", type=int, default=None, help="with --prompts-file: sequences decoded together "
-                   "(default: all)")
+                   "(default: all); without --policy each batch decodes with the bank's choice for its size")
     g.add_argument("--truncate", default=None, choices=["left"],
                    help="keep the end of a prompt too long for the KV cache (default: report it)")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -282,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(fn=_generate)
     i = sub.add_parser("inspect", help="print a bank's trees, figures, policies, provenance and plots")
     i.add_argument("bank")
+    i.add_argument("--check", action="store_true",
+                   help="re-time the bank's choice at each batch size on this machine (paired blocks AR, T, T, AR) and "
+                        "say whether each still holds; exit code 0 when all hold, 1 otherwise")
+    i.add_argument("--seconds", type=float, default=60.0, help="--check: about how long to time, overall")
+    i.add_argument("--new-tokens", type=int, default=None,
+                   help="--check: tokens per decode (default: as many as the bank's time stage used)")
     i.set_defaults(fn=_inspect)
     e = sub.add_parser("export", help="print a bank's per-batch-size choices (or one tree) for a serving engine")
     e.add_argument("bank")

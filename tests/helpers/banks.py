@@ -1,5 +1,6 @@
 """Banks in memory: a bank shaped like the pipeline's (`make_bank`), the batch-size record of a bank
-timed at batch size 1 (`batch_one_record`), its seals after a deliberate edit (`reseal`), and the
+timed at batch size 1 (`batch_one_record`) or choosing a given tree per batch size
+(`batch_choices_record`), its seals after a deliberate edit (`reseal`), and the
 trees, fake figures and policies of the tiny bundle's bank."""
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def batch_one_record(trees: list[Tree], figures: list[dict], best_static: int,
         chain = {"depth": depth, **{key: fig[key] for key in ("tokens_per_step", "step_ms", "tok_per_s")}}
     return {"1": {"best_static": best_static if len(best) else None, "best_chain": chain, "ar_step_ms": ar_step_ms,
                   "step_ms": [f.get("step_ms") for f in figures], "tok_per_s": [f.get("tok_per_s") for f in figures]}}
+
+
+def batch_choices_record(trees: list[Tree], choices: dict[int, int | None]) -> dict[str, dict]:
+    """bank.json's "batch_sizes" record of a bank that chose tree `choices[B]` at batch size B (None:
+    AR there): AR at 50 tok/s per sequence, the chosen tree measured at 1.2x AR, every other tree at
+    0.9x; no best chain."""
+    out = {}
+    for b, k in choices.items():
+        ar = 50.0 * b
+        out[str(b)] = {"best_static": k, "best_chain": None, "ar_step_ms": 20.0, "ar_tok_per_s": ar,
+                       "step_ms": [20.0 + 0.5 * t.num_nodes for t in trees],
+                       "tok_per_s": [ar * (1.2 if j == k else 0.9) for j in range(len(trees))]}
+    return out
 
 
 def make_bank(trees: list[Tree] | None = None) -> TopologyBank:

@@ -26,6 +26,7 @@ import torch
 
 from runtime.bank import TopologyBank
 from runtime.fingerprint import heads_fingerprint, weights_fingerprint
+from runtime.machine import cpu_name_and_flags
 from runtime.tree import Tree
 from tests.helpers.banks import BANK_TREES, BEST_STATIC, batch_one_record, fake_figures, tiny_policies
 from tests.helpers.env import REPO, torch_threads
@@ -126,7 +127,8 @@ def make_tiny_bank(folder: Path, model_dir: Path, heads_dir: Path, trees: tuple[
             "model_dir": os.path.relpath(model_dir.resolve(), folder.resolve()),
             "heads_dir": os.path.relpath(heads_dir.resolve(), folder.resolve()),
             "dtype": "float32",
-            "machine": {"cpu": "test", "torch": torch.__version__},
+            # this machine's CPU, as the pipeline records it, so that loading it here warns of nothing
+            "machine": {"cpu": cpu_name_and_flags()[0], "torch": torch.__version__},
         },
     )
     return bank.save(folder)
