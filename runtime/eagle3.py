@@ -141,6 +141,10 @@ class Eagle3Config:
     rope_scaling: dict[str, Any] | None = None
     norm_before_residual: bool = False
     max_position_embeddings: int = 2048
+    # "own": lm_head is the drafter's (EAGLE-3's published layout, stored); "shared": lm_head is the
+    # target's output rows of the draft ids, taken at `bind` and never stored (EAGLE-1's frozen
+    # head: the drafter learns to produce target-like final states, and ships no vocabulary matrix)
+    output: str = "own"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -160,6 +164,8 @@ class Eagle3Config:
             raise Eagle3Error(f"aux_layer_ids must be strictly increasing (the engines concatenate the captured "
                               f"states in layer order), got {list(ids)}")
         self.aux_layer_ids = tuple(int(i) for i in ids)
+        if self.output not in ("own", "shared"):
+            raise Eagle3Error(f"output must be 'own' or 'shared', got {self.output!r}")
         if not isinstance(self.norm_before_residual, bool):
             raise Eagle3Error(f"norm_before_residual must be a bool, got {self.norm_before_residual!r}")
         eps = self.rms_norm_eps
@@ -335,7 +341,8 @@ class Eagle3State:
 
 
 class _Embedding:
-    """The target's token embedding, held outside the module tree (never saved, moved or cast)."""
+    """A target module (its token embedding or output layer), held outside the module tree (never
+    saved, moved or cast with the drafter)."""
 
     def __init__(self, table: nn.Embedding) -> None:
         self.table = table
@@ -356,6 +363,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(c.vocab_size) < c.draft_vocab_size)
         self._embed: _Embedding | None = None
+        self._output: _Embedding | None = None  # the target's output layer (output="shared")
         self._inv_freq: Tensor | None = None  # float32 RoPE frequencies, a plain attribute (never cast)
         self.state: Eagle3State | None = None
         # the deepest tree it drafts for a decoder (any depth works; see DEFAULT_MAX_DEPTH)
@@ -383,6 +391,9 @@ class Eagle3Drafter(nn.Module):
         rows are within the model's own room, `TreeDecoder.check_fits`)."""
         self.config.check_target(model.args)
         self._embed = _Embedding(model.tok_embeddings)
+        self._output = _Embedding(model.output)
+        if self.config.output == "shared":
+            self._tie_output()
         slots = capacity or (getattr(model, "max_seq_len", 0) or model.args.max_position_embeddings) + SCRATCH_ROOM
         self.setup_cache(int(slots))
 
@@ -410,6 +421,19 @@ class Eagle3Drafter(nn.Module):
             t2d = torch.zeros(v, dtype=torch.bool)
             t2d[ids] = True
             self.t2d.copy_(t2d.to(self.t2d.device))
+        if self.config.output == "shared" and self._output is not None:
+            self._tie_output()
+
+    def _tie_output(self) -> None:
+        """output="shared": lm_head takes the target's output rows of the draft ids (a frozen copy in
+        the drafter's dtype and device; never saved)."""
+        assert self._output is not None
+        with torch.no_grad():
+            rows = self._output.table.weight.detach()[self.target_ids().to(self._output.table.weight.device)]
+            self.lm_head.weight = nn.Parameter(rows.to(device=self.device, dtype=self.dtype), requires_grad=False)
+        head = self.lm_head
+        if head.weight_packed is not None or head.weight_t is not None:  # refresh the fast paths' copy
+            head.add_fast_paths(kernel=head.weight_packed is not None)
 
     def setup_cache(self, capacity: int) -> None:
         """An empty cache of `capacity` rows for the current sequence."""
@@ -480,6 +504,8 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, g: Tensor) -> Tensor:
         """Draft-vocabulary logits [n, V_d] (float32) of draft states g [n, hidden]."""
+        if self.lm_head.weight.is_meta:
+            raise RuntimeError("this drafter's lm_head is the target's (output='shared'): bind(model) first")
         return self.lm_head(self.norm(g.to(self.dtype))).float()
 
     def to_target_logits(self, logits: Tensor) -> Tensor:
@@ -871,7 +897,8 @@ def save_drafter(drafter: Eagle3Drafter, folder: str | Path, dtype: torch.dtype 
     try:
         return save_weights_folder(drafter, {"format": FORMAT, "format_version": FORMAT_VERSION,
                                              **drafter.config.to_dict()},
-                                   folder, WEIGHTS_FILE, CONFIG_FILE, dtype, what="drafter weights")
+                                   folder, WEIGHTS_FILE, CONFIG_FILE, dtype, what="drafter weights",
+                                   exclude=_not_stored(drafter.config))
     except ValueError as err:
         raise Eagle3Error(str(err)) from err
 
@@ -893,6 +920,11 @@ def read_drafter_config(folder: str | Path) -> tuple[Eagle3Config, str]:
         raise Eagle3Error(f"{path}: {e}") from e
 
 
+def _not_stored(config: Eagle3Config) -> tuple[str, ...]:
+    """State-dict keys a drafter file leaves out: the target's output rows of a shared lm_head."""
+    return ("lm_head.weight",) if config.output == "shared" else ()
+
+
 def build_drafter(config: Eagle3Config, state: dict[str, Tensor], where: str, dtype: torch.dtype,
                   device: torch.device | str = "cpu") -> Eagle3Drafter:
     """An Eagle3Drafter, built on the meta device (no random init), that takes `state`'s tensors:
@@ -900,7 +932,7 @@ def build_drafter(config: Eagle3Config, state: dict[str, Tensor], where: str, dt
     describe one draft vocabulary. Floating tensors are cast to `dtype` and placed on `device`."""
     with torch.device("meta"):
         drafter = Eagle3Drafter(config)
-    expected = drafter.state_dict()
+    expected = {k: v for k, v in drafter.state_dict().items() if k not in _not_stored(config)}
     problems = []
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing:
@@ -920,7 +952,8 @@ def build_drafter(config: Eagle3Config, state: dict[str, Tensor], where: str, dt
     check_vocab_maps(state["d2t"], state["t2d"], config.vocab_size, config.draft_vocab_size, where)
     device = torch.device(device)
     placed = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
-    drafter.load_state_dict(placed, strict=True, assign=True)
+    missing = drafter.load_state_dict(placed, strict=False, assign=True).missing_keys
+    assert sorted(missing) == sorted(_not_stored(config)), missing  # every other key was checked above
     return drafter
 
 

@@ -52,10 +52,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def save_weights_folder(module: torch.nn.Module, meta: dict[str, Any], folder: str | Path, weights_file: str,
-                        config_file: str, dtype: torch.dtype | None = None, what: str = "weights") -> Path:
-    """Write `module`'s state dict as `weights_file` (safetensors) and `meta` plus the stored dtype as
-    `config_file` (JSON) in `folder`, each atomically. `dtype` casts the floating tensors; they
-    must end up in one dtype."""
+                        config_file: str, dtype: torch.dtype | None = None, what: str = "weights",
+                        exclude: tuple[str, ...] = ()) -> Path:
+    """Write `module`'s state dict (less the keys in `exclude`) as `weights_file` (safetensors) and
+    `meta` plus the stored dtype as `config_file` (JSON) in `folder`, each atomically. `dtype` casts
+    the floating tensors; they must end up in one dtype."""
     import torch
     from safetensors.torch import save
 
@@ -65,6 +66,8 @@ def save_weights_folder(module: torch.nn.Module, meta: dict[str, Any], folder: s
     folder.mkdir(parents=True, exist_ok=True)
     state = {}
     for k, v in module.state_dict().items():
+        if k in exclude:
+            continue
         v = v.detach()
         if dtype is not None and v.is_floating_point():
             v = v.to(dtype)

@@ -107,6 +107,14 @@ class TrainSettings:
     # training-time test (EAGLE-3): weight of a second pass in which Hydra heads 2..D read the
     # heads' own top-1 drafts as the path tokens after the root instead of the true ones
     ttt_weight: float = at_least(0.0, 0.0)
+    # --- EAGLE-3 drafters (heads.kind=eagle3, `pipeline.heads.eagle3_train`)
+    ttt_steps: int = at_least(1, 1)         # unrolled steps of the training-time test (depths trained)
+    ttt_decay: float = 0.8                  # step j's loss weight is ttt_decay ** j
+    # train-pool prompts (beyond the mix's) teacher-forced with their reference replies: cheap
+    # tokens (one forward each); the mix's holdout prompts and every eval split stay out
+    reference_prompts: int = at_least(0, 0)
+    batch_tokens: int = at_least(4096, 1)   # padded tokens per optimiser step
+    eval_every: int = at_least(50, 1)       # optimiser steps between points of the held-out curve
 
     def __post_init__(self) -> None:
         problems = field_problems(self, "heads.train") + self.cross_field_problems()
@@ -152,7 +160,8 @@ class TrainSettings:
 
 # TrainSettings fields newer than the shipped heads, with the defaults a key leaves out
 _ADDED_TRAIN_FIELDS = {"dtype": "float32", "sampled_continuations": 0, "sample_temperature": 0.8, "rank_loss_weight": 0.0,
-                       "rank_loss_topk": 8, "ttt_weight": 0.0}
+                       "rank_loss_topk": 8, "ttt_weight": 0.0, "ttt_steps": 1, "ttt_decay": 0.8,
+                       "reference_prompts": 0, "batch_tokens": 4096, "eval_every": 50}
 
 
 @dataclass

@@ -21,9 +21,6 @@ from pipeline.config.schema import EAGLE3, PipelineConfig, TrainSettings, field_
 
 # the Medusa/Hydra default tree (63 nodes + root) is decoded by the evaluate stage whatever the budget
 REFERENCE_TREE_NODES = 64
-EAGLE3_NEEDS_DIR = ("heads.dir is required for heads=eagle3: an EAGLE-3 drafter is imported from its folder (this "
-                    "project's format, EAGLE's own layout or the speculators layout); pass heads.dir=/path/to/the/"
-                    "drafter. Training EAGLE-3 drafters here comes later")
 
 
 class ConfigError(SystemExit):
@@ -68,9 +65,7 @@ def config_problems(cfg: DictConfig) -> list[str]:
 
     missing = _missing_keys(cfg)
     for key in missing:
-        if key == "heads.dir" and OmegaConf.select(cfg, "heads.kind", default=None) == EAGLE3:
-            add(EAGLE3_NEEDS_DIR)
-        elif key == "heads.dir":  # `dir: ???`: a published checkpoint's heads, imported from their folder
+        if key == "heads.dir":  # `dir: ???`: a published checkpoint's heads, imported from their folder
             name = OmegaConf.select(cfg, "heads.name", default=None)
             add(f"heads.dir is required for heads.name={name} (published heads, imported from their folder); "
                 "pass heads.dir=/path/to/the/downloaded/folder")
@@ -196,10 +191,7 @@ def config_problems(cfg: DictConfig) -> list[str]:
             elif found and found[0] == "eagle3" and convention is not None:
                 add(f"heads.aux_convention={convention}: heads.dir={hdir} holds a drafter in this project's format, "
                     "whose layer ids already name layer inputs; set heads.aux_convention=null")
-    elif kind == EAGLE3:
-        if "heads.dir" not in missing:
-            add(EAGLE3_NEEDS_DIR)
-    elif isinstance(get("heads.train"), dict):
+    if not hdir and isinstance(get("heads.train"), dict):
         train = get("heads.train")
         for p in TrainSettings.cross_field_problems(SimpleNamespace(**train)):  # type: ignore[arg-type]
             add(p)

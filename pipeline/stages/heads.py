@@ -66,9 +66,11 @@ def _full_heads(cfg: DictConfig, model_dir: Path, lay: Layout) -> Path:
         # drafters are converted once into artifacts/heads/<model>/<name>/ (with the source's checksum)
         return import_heads(cfg.heads.dir, model_dir, lay.heads_dir(str(cfg.heads.name)), force=forced(cfg, "heads"),
                             aux_convention=cfg.heads.get("aux_convention"))
-    if cfg.heads.kind == "eagle3":  # start-up validation says so first
-        raise ValueError("heads.kind=eagle3 needs heads.dir (an EAGLE-3 drafter folder): training EAGLE-3 drafters "
-                         "here comes later")
+    if cfg.heads.kind == "eagle3":
+        from pipeline.heads.eagle3_train import train_eagle3
+
+        return train_eagle3(plain(cfg.heads), model_dir, lay.data, lay.artifacts, force=forced(cfg, "heads"),
+                            model_name=lay.model_name, device=str(cfg.device))
     from pipeline.heads import train_heads
 
     return train_heads(plain(cfg.heads), model_dir, lay.data, lay.artifacts, force=forced(cfg, "heads"),

@@ -154,8 +154,7 @@ def test_start_up_validation_names_the_mix_ups(setup: tuple, tmp_path: Path) -> 
         return config_problems(tiny_pipeline_cfg(artifacts, data, bundle, *extra))
 
     assert problems("heads=eagle3", f"heads.dir={spec}", "heads.aux_convention=sglang") == []
-    (missing,) = problems("heads=eagle3", "heads.dir=null")
-    assert "heads.dir is required for heads=eagle3" in missing and "Training EAGLE-3 drafters here comes later" in missing
+    assert problems("heads=eagle3", "heads.dir=null") == []   # trained here
     assert any("holds an EAGLE-3 drafter, but heads.kind=hydra: use heads=eagle3" in p for p in problems(f"heads.dir={spec}"))
     assert any("heads=eagle3 needs an EAGLE-3 drafter folder" in p and "holds project heads" in p
                for p in problems("heads=eagle3", f"heads.dir={bundle.heads_dir}"))
@@ -167,12 +166,16 @@ def test_start_up_validation_names_the_mix_ups(setup: tuple, tmp_path: Path) -> 
                for p in problems("heads=eagle3", f"heads.dir={spec}", "heads.num_heads=9", "grow.max_depth=4"))
 
 
-def test_the_missing_folder_of_the_eagle3_config_is_refused(tmp_path: Path) -> None:
-    from pipeline.config.validate import ConfigError, validate_config
+def test_the_eagle3_config_trains_a_drafter_with_a_shared_output_over_the_frequent_ids() -> None:
+    from pipeline.config.schema import TrainSettings
     from pipeline.graph import compose_cfg
+    from pipeline.paths import heads_run_name
 
-    with pytest.raises(ConfigError, match="Training EAGLE-3 drafters here comes later"):
-        validate_config(compose_cfg(["heads=eagle3", f"artifacts_dir={tmp_path}", f"data_dir={tmp_path}"]))
+    cfg = compose_cfg(["heads=eagle3"])
+    assert cfg.heads.dir is None and cfg.heads.output == "shared" and cfg.heads.draft_vocab.size == 8192
+    assert heads_run_name(cfg.heads) == "eagle3"       # its vocabulary is its own, not a derived folder
+    s = TrainSettings.from_dict(dict(cfg.heads.train))
+    assert s.ttt_steps > 1 and s.reference_prompts > 0
 
 
 def test_an_eagle3_drafter_skips_the_draft_vocabulary_and_says_so(setup: tuple, tmp_path: Path,
