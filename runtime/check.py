@@ -89,6 +89,7 @@ class ChoiceCheck:
     timed: int | None               # the tree timed against AR: the choice, or for AR the bank's fastest tree
     nodes: int | None               # the timed tree's nodes
     stored: float | None            # the bank's ratio of the timed tree to AR at B (None: not recorded)
+    stored_range: tuple[float, float] | None = None  # the bank's interval of it, where it timed it paired
     ratios: tuple[float, ...] = ()  # per round, here
 
     @property
@@ -105,7 +106,8 @@ class ChoiceCheck:
         return low > 1.0 if self.chosen is not None else low <= 1.0
 
     def line(self) -> str:
-        stored = "ratio not recorded" if self.stored is None else f"{self.stored:.2f}x AR"
+        stored = "ratio not recorded" if self.stored is None else f"{self.stored:.2f}x AR" + (
+            "" if self.stored_range is None else f" [{self.stored_range[0]:.2f}, {self.stored_range[1]:.2f}]")
         if self.timed is None:
             return f"B={self.batch_size}: bank's choice AR (no tree measured at this batch size): holds"
         tree = f"tree {self.timed} ({self.nodes} nodes)"
@@ -129,9 +131,21 @@ def _measured(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
+def paired_candidate(entry: dict[str, Any], k: int) -> dict[str, Any] | None:
+    """Tree k's paired timing against batched AR in the bank's entry for one batch size (its
+    "paired" record's candidate: median, low, high, rounds; `runtime.bank.PAIRED_KEY`), or None."""
+    rec = entry.get("paired")
+    candidates = rec.get("candidates") if isinstance(rec, dict) else None
+    return next((c for c in candidates or [] if isinstance(c, dict) and c.get("tree") == k), None)
+
+
 def stored_ratio(bank: TopologyBank, entry: dict[str, Any], k: int) -> float | None:
-    """Tree k's batch tok/s over AR's in the bank's entry for one batch size: AR's from its
-    "ar_tok_per_s", else from the bank's root-only tree (the empty tree); None where neither is."""
+    """The bank's ratio of tree k to batched AR at one batch size: the median of its paired timing
+    where the bank has one, else tree k's batch tok/s over AR's (AR's from "ar_tok_per_s", else
+    from the bank's root-only tree); None where neither is recorded."""
+    paired = paired_candidate(entry, k)
+    if paired is not None and _measured(paired.get("median")):
+        return float(paired["median"])
     tps = entry["tok_per_s"][k]
     ar = entry.get("ar_tok_per_s")
     if not _measured(ar):
@@ -140,9 +154,12 @@ def stored_ratio(bank: TopologyBank, entry: dict[str, Any], k: int) -> float | N
 
 
 def fastest_tree(bank: TopologyBank, entry: dict[str, Any]) -> int | None:
-    """The bank tree (root-only excluded) with the highest measured batch tok/s in `entry`; of equals,
-    the smallest (the cheaper to time)."""
-    timed = [(tps, -k) for k, tps in enumerate(entry["tok_per_s"]) if len(bank.trees[k]) and _measured(tps)]
+    """The bank tree (root-only excluded) with the highest stored ratio to AR in `entry`
+    (`stored_ratio`), among its paired candidates where it has some; of equals, the smallest (the
+    cheaper to time)."""
+    trees = [k for k in range(len(bank.trees)) if len(bank.trees[k])]
+    paired = [k for k in trees if paired_candidate(entry, k) is not None]
+    timed = [(r, -k) for k in paired or trees if (r := stored_ratio(bank, entry, k)) is not None]
     return -max(timed)[1] if timed else None
 
 
@@ -171,8 +188,11 @@ def check_bank(engine: EntMTP, seconds: float = DEFAULT_SECONDS, new_tokens: int
         b = c.batch_size
         entry = next(e for key, e in bank.batch_schedule.items() if int(key) == b)
         timed = c.tree_index if c.tree_index is not None else fastest_tree(bank, entry)
+        paired = None if timed is None else paired_candidate(entry, timed)
         check = ChoiceCheck(b, c.tree_index, timed, None if timed is None else bank.trees[timed].num_nodes,
-                            None if timed is None else stored_ratio(bank, entry, timed))
+                            None if timed is None else stored_ratio(bank, entry, timed),
+                            (paired["low"], paired["high"]) if paired is not None and _measured(paired.get("low"))
+                            and _measured(paired.get("high")) else None)
         if timed is not None:
             batch = [ids[i % len(ids)] for i in range(b)]
 

@@ -100,6 +100,18 @@ def test_stored_ratio_and_fastest_tree_from_the_record() -> None:
     assert fastest_tree(bank, record["4"]) == 2
 
 
+def test_a_paired_timing_is_the_stored_ratio() -> None:
+    bank = make_bank()
+    entry = batch_choices_record(bank.trees, {4: None})["4"]
+    entry["tok_per_s"][3] = 500.0  # the fastest by batch tok/s, but not paired-timed: the paired record decides
+    entry["paired"] = {"candidates": [{"tree": 1, "median": 0.97, "low": 0.9, "high": 1.02, "rounds": 5},
+                                      {"tree": 2, "median": 1.04, "low": 0.95, "high": 1.1, "rounds": 5}]}
+    assert stored_ratio(bank, entry, 1) == 0.97 and stored_ratio(bank, entry, 3) == pytest.approx(2.5)
+    assert fastest_tree(bank, entry) == 2
+    line = ChoiceCheck(4, None, 2, 3, 1.04, (0.95, 1.1), (1.0, 1.02, 0.98)).line()
+    assert "its fastest tree, tree 2 (3 nodes), stored 1.04x AR [0.95, 1.10])" in line and line.endswith(": holds")
+
+
 # ---------------------------------------------------------------------------------------- the CLI
 
 
