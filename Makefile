@@ -32,6 +32,8 @@ ifneq ($(INSTALLED_SHA),$(PYPROJECT_SHA))
 	$(PY) -c "from runtime.model import small_rows as s; print('small-row kernel:', s.kernel_id(), '-', s.unavailable_reason() or 'built')"
 	echo $(PYPROJECT_SHA) > $(VENV)/.installed
 endif
+	@# the kernel is a build output next to its source: rebuild it where it went missing (a clean, a moved tree)
+	@ls runtime/model/_small_rows*.so >/dev/null 2>&1 || $(PY) setup.py -q build_ext --inplace >/dev/null 2>&1 || true
 
 model: install
 	$(PY) -m pipeline stage=model $(ARGS)
