@@ -8,7 +8,7 @@ TASK ?= humaneval
 TEMPERATURE ?= 0
 ARGS ?=
 
-.PHONY: gpu-check install model heads prepare bank banks eval eval-all report test test-slow bench clean-artifacts
+.PHONY: gpu-check install model heads prepare bank banks eval eval-all report compare-drafters test test-slow bench clean-artifacts
 
 # The venv is current when its stamp holds the sha256 of what the install reads: pyproject.toml,
 # setup.py and the small-row kernel's source (runtime/model/csrc/small_rows.c, compiled by the install;
@@ -64,6 +64,11 @@ eval-all: install
 # the artifacts record them), and the index docs/results/README.md
 report: install
 	$(PY) -m pipeline.report
+
+# every drafter found under artifacts/ (Medusa, Hydra, EAGLE-3) side by side on the three tasks: replayed
+# tokens/step on the same trees, speed vs AR, training cost (artifacts/reports/<model>/drafters/comparison.{md,png})
+compare-drafters: install
+	$(PY) -m pipeline.experiments.drafter_comparison $(ARGS)
 
 test: model
 	$(PY) -m pytest -q
