@@ -4,7 +4,9 @@ On disk (one folder; no pickle, nothing in it is ever executed):
   bank.json            schema version, trees (paths + measured figures), the index of the best
                        static tree (EntMTP*), the choices per batch size (`batch_sizes`, the
                        contract in `runtime.export.schedule`; required: a bank built before the
-                       batch axis is refused with a rebuild message), fitted policies,
+                       batch axis is refused with a rebuild message) with, where the bank timed
+                       them, each batch size's candidates' paired ratios to batched AR
+                       (`PAIRED_KEY`; optional), fitted policies,
                        EntMTP-dyn's fitted dynamic policy (`dynamic`: super-tree, step cost per
                        size, calibration; optional), oracle figures, provenance, and two seals:
                        `buffers_sha256`/`buffers_bytes` (which tensor file belongs to this JSON)
@@ -50,6 +52,11 @@ SCHEMA_VERSION = 3
 BANK_JSON = "bank.json"
 BUFFERS = "buffers.safetensors"
 BATCH_KEY = "batch_sizes"  # bank.json's per-batch-size record (`runtime.export.schedule`)
+# each batch size's paired timing of its candidate trees against batched AR (optional, `_check_paired`):
+# {"ratio": what the ratios are, "level": coverage, "new_tokens", "rounds", "candidates": [{"tree": k,
+# "median", "low", "high": ratio to AR, "rounds", "model_ratio": the step-cost model's, or null}],
+# optional "unconstrained": the choice before the bank kept its choices monotone in the batch size}
+PAIRED_KEY = "paired"
 # Far above any real bank (a 1024-node tree's buffers are ~1 MiB); refuses a runaway file before
 # reading it into memory.
 MAX_JSON_BYTES = 64 << 20
@@ -142,6 +149,41 @@ def _check_policies(policies: dict[str, Any], n_trees: int, where: str) -> None:
         except Exception as e:  # noqa: BLE001 - any failure to rebuild means the stored policy is unusable
             raise BankError(f"{where}: policy {_short(name)} is not usable ({type(e).__name__}: {str(e)[:200]}); "
                             f"refit it or {_REBUILD}") from e
+
+
+def _check_paired(batch: Any, trees: list[Tree], where: str) -> None:
+    """Each batch size's "paired" record, where it has one (checked after `choices_from_batch_sizes`):
+    candidates that are distinct trees of this bank (not the root alone), each with a positive
+    median inside its positive interval, a round count and the model's ratio (or null); the batch
+    size's chosen tree one of them, with an interval above 1 (a tree is chosen only where it beats
+    AR with confidence)."""
+    if not isinstance(batch, dict):
+        return  # `choices_from_batch_sizes` reports it
+    for b, entry in batch.items():
+        rec = entry.get(PAIRED_KEY) if isinstance(entry, dict) else None
+        if rec is None:
+            continue
+        w = f"{where}: {BATCH_KEY}[{b!r}].{PAIRED_KEY}"
+        if not isinstance(rec, dict) or not isinstance(rec.get("candidates"), list):
+            raise BankError(f"{w} must be an object with a 'candidates' list, got {_short(rec)}; {_REBUILD}")
+        lows: dict[int, float] = {}
+        for c in rec["candidates"]:
+            k = c.get("tree") if isinstance(c, dict) else None
+            if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(trees) or not len(trees[k]) or k in lows:
+                raise BankError(f"{w}: candidate {_short(c)} does not name a distinct tree of this bank with drafts "
+                                f"(0..{len(trees) - 1}); {_REBUILD}")
+            nums = [c.get(key) for key in ("low", "median", "high")]
+            model = c.get("model_ratio")
+            if (not all(_is_number(x) and math.isfinite(x) and x > 0 for x in nums) or not nums[0] <= nums[1] <= nums[2]
+                    or not _is_number(c.get("rounds")) or c["rounds"] < 1
+                    or model is not None and not (_is_number(model) and math.isfinite(model) and model > 0)):
+                raise BankError(f"{w}: candidate tree {k} needs 0 < low <= median <= high, rounds >= 1 and a positive "
+                                f"model_ratio or null, got {_short(c)}; {_REBUILD}")
+            lows[k] = nums[0]
+        chosen = entry.get("best_static")  # a valid index: `choices_from_batch_sizes` checked it first
+        if chosen is not None and len(trees[chosen]) and not lows.get(chosen, 0.0) > 1.0:
+            raise BankError(f"{w}: the chosen tree {_short(chosen)} was not timed there, or its interval reaches 1 "
+                            f"(it does not beat AR with confidence); choose a timed tree, drop the record or {_REBUILD}")
 
 
 DYNAMIC_KEYS = ("super_tree", "step_ms", "calibration")
@@ -249,7 +291,7 @@ class TopologyBank:
                 f"tree [{k}] ({self.trees[k].num_nodes} nodes) {entry['tok_per_s'][k]:.1f} tok/s"
                 + (f" = {entry['tok_per_s'][k] / ar:.2f}x AR" if ar else ""))
             lines.append(f"  batch {int(b):3d}: {tree}; AR {nan if ar is None else ar:.1f} tok/s; best chain "
-                         f"{'none' if chain is None else chain['depth']}")
+                         f"{'none' if chain is None else chain['depth']}{_paired_cell(entry)}")
         replays = self.oracle.get("batch") if isinstance(self.oracle, dict) else None
         if replays:
             methods = ["one tree for all", "static per batch size", "batch scheduler"]
@@ -259,6 +301,26 @@ class TopologyBank:
                 cells = [f"{r[m]:.1f} ({100 * r[m + ' share of oracle']:.0f}%)" if m in r else "-" for m in methods]
                 lines.append(f"    {int(b):3d} | " + " | ".join(cells) + f" | {r.get('batch oracle', nan):.1f}")
         return "\n".join(lines)
+
+    def paired_lines(self) -> list[str]:
+        """Every timed candidate of every batch size: its paired ratio to batched AR (median,
+        interval, rounds) and the step-cost model's ratio with its distance; empty where the bank
+        timed none."""
+        lines = []
+        for b, entry in sorted((self.batch_schedule or {}).items(), key=lambda kv: int(kv[0])):
+            rec = entry.get(PAIRED_KEY) if isinstance(entry, dict) else None
+            if not rec:
+                continue
+            free = rec.get("unconstrained", entry.get("best_static"))
+            lines.append(f"  paired at batch {int(b)} ({rec.get('rounds')} rounds of {rec.get('new_tokens')} tokens; "
+                         f"{rec.get('ratio', 'ratio to AR')}):"
+                         + ("" if free == entry.get("best_static") else
+                            f" alone it chose {'AR' if free is None else f'tree [{free}]'}, kept monotone in B"))
+            for c in rec["candidates"]:
+                k = c["tree"]
+                mark = " <- chosen" if k == entry.get("best_static") else ""
+                lines.append(f"    tree [{k}] ({self.trees[k].num_nodes} nodes): {_ratio_text(c)}{mark}")
+        return lines
 
     # ----------------------------------------------------------------------------------------
     def _document(self) -> tuple[dict[str, Any], bytes]:
@@ -352,6 +414,27 @@ class TopologyBank:
 
 
 # ------------------------------------------------------------------------------------ helpers
+
+
+def _ratio_text(c: dict[str, Any]) -> str:
+    """One paired candidate: median [low, high] over its rounds, and the model's ratio and distance."""
+    model = c.get("model_ratio")
+    return (f"{c['median']:.2f}x AR [{c['low']:.2f}, {c['high']:.2f}] in {c['rounds']} rounds; model "
+            + ("-" if model is None else f"{model:.2f}x ({100 * (model / c['median'] - 1):+.0f}%)"))
+
+
+def _paired_cell(entry: dict[str, Any]) -> str:
+    """The batch table's paired column: the choice's measured ratio (for AR, the best timed tree's)
+    and the model's ratio beside it."""
+    rec = entry.get(PAIRED_KEY) if isinstance(entry, dict) else None
+    if not rec or not rec.get("candidates"):
+        return ""
+    k = entry.get("best_static")
+    c = next((c for c in rec["candidates"] if c["tree"] == k), None)
+    if c is None:
+        c = max(rec["candidates"], key=lambda c: c["median"])
+        return f"; paired: AR, its best tree [{c['tree']}] {_ratio_text(c)}"
+    return f"; paired {_ratio_text(c)}"
 
 
 def _read_json(jf: Path) -> dict[str, Any]:
@@ -453,6 +536,7 @@ def _parse(doc: dict[str, Any], blob: bytes, where: str, max_depth: int | None =
         choices_from_batch_sizes(batch, trees, figures)
     except ScheduleError as e:
         raise BankError(f"{where}: its batch_sizes record is unusable ({e}); {_REBUILD}") from e
+    _check_paired(batch, trees, where)
 
     dynamic = doc.get("dynamic")
     if dynamic is not None:

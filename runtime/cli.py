@@ -147,6 +147,8 @@ def _inspect(args: argparse.Namespace) -> int:
         return _check(args)
     bank = TopologyBank.load(args.bank, force=True)
     print(bank.summary())
+    for line in bank.paired_lines():  # each batch size's candidates timed against batched AR
+        print(line)
     prov = bank.provenance
     print(f"  built for model {prov.get('model_fingerprint')} / heads {prov.get('heads_fingerprint')}, "
           f"dtype {prov.get('dtype')}, torch {prov.get('machine', {}).get('torch')}, "

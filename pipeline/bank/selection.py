@@ -3,8 +3,10 @@ trees the per-step oracle uses, and the tie rule for the best static tree."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from pipeline.timing.paired import Cell, PairedSettings, candidates_at, cell_record, monotone_choices
 from runtime.tree import Tree
 
 MEMBERS = ("hull", "oracle")
@@ -83,6 +85,34 @@ def batch_choices(batch: dict[str, Any], members: list[int], nodes: list[int], b
                   "ar_step_ms": entry["ar_step_ms"], "ar_tok_per_s": entry["ar_tok_per_s"],
                   "step_ms": [r["step_ms"] for r in rows], "tok_per_s": tok}
     return out
+
+
+def paired_candidates(batch: dict[str, dict[str, Any]], nodes: Sequence[int], count: int) -> dict[int, list[int]]:
+    """{B: the bank trees to time against AR at B}: the `count` of highest modeled batch tok/s there
+    (`batch_choices`' rows; the root-only tree is AR and is not a candidate)."""
+    return {int(b): candidates_at(entry["tok_per_s"], nodes, count) for b, entry in batch.items()}
+
+
+def apply_paired(batch: dict[str, dict[str, Any]], cells: dict[int, Cell], nodes: Sequence[int],
+                 tokens_per_step: Sequence[float], settings: PairedSettings) -> None:
+    """Set each measured batch size's choice in `batch` (`batch_choices`' record, changed in place)
+    from its paired measurement (`pipeline.timing.paired`: the interval above 1, monotone in B), and
+    record the measurement under "paired" with the step-cost model's predicted ratio of each
+    candidate (tokens/step x modeled AR step / modeled tree step). Where AR is chosen, no chain is
+    either: nothing measured there beats AR."""
+    choices = monotone_choices(cells, nodes)
+    for b, entry in batch.items():
+        cell = cells.get(int(b))
+        if cell is None or not cell.trees:  # no tree to time there (a bank of the root alone): AR
+            entry["best_static"], entry["best_chain"] = None, None
+            continue
+        choice, free = choices[int(b)]
+        ar_ms = entry["ar_step_ms"]
+        model = {k: tokens_per_step[k] * ar_ms / entry["step_ms"][k] for k in cell.trees if entry["step_ms"][k]}
+        entry["best_static"] = choice
+        entry["paired"] = cell_record(cell, choice, free, model, settings)
+        if choice is None:
+            entry["best_chain"] = None
 
 
 def batch_replays(rollouts: list[dict], trees: list[Tree], policies: dict[str, dict], best_static: int,

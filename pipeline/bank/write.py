@@ -12,7 +12,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.rollout.record import load_rollout  # noqa: E402
-from pipeline.bank.selection import bank_members, batch_choices, batch_replays, throughput_hull  # noqa: E402
+from pipeline.bank.selection import (apply_paired, bank_members, batch_choices, batch_replays,  # noqa: E402
+                                     paired_candidates, throughput_hull)
+from pipeline.timing.paired import PairedRun, measure_choices  # noqa: E402
 from runtime.bank import TopologyBank  # noqa: E402
 from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
@@ -21,9 +23,11 @@ from runtime.tree import Tree  # noqa: E402
 def build_bank(
     out: Path, timing: dict, recal: dict, frontier: dict, rollout_dir: Path, policy_cfg: dict, provenance: dict,
     members: str = "oracle", min_oracle_share: float = 0.02, tie_tolerance: float = 0.0,
-    dynamic: dict[str, Any] | None = None,
+    dynamic: dict[str, Any] | None = None, paired: PairedRun | None = None,
 ) -> dict[str, Any]:
-    """Write the bank into `out`. `dynamic` (None: no EntMTP-dyn): {"scores_dir": the head scores of
+    """Write the bank into `out`. `paired` (None: the step-cost model alone chooses per batch size,
+    `batch_choices`): how to time the bank's candidate trees against batched AR, which then choose
+    (`pipeline.timing.paired`). `dynamic` (None: no EntMTP-dyn): {"scores_dir": the head scores of
     the calibration rollout (`pipeline.rollout.load_scores`), "cost_model": the time stage's
     `StepCostModel`, "calibrate": bool, "stop_below": thresholds}; EntMTP-dyn is fitted on them (`pipeline.bank.dynamic`)."""
     from pipeline.bank.policies import fit_all_policies
@@ -65,6 +69,12 @@ def build_bank(
         default = "static"
     # the trees chosen at each batch size
     batch = batch_choices(timing["batch"], [kept[k] for k in chosen], [t.num_nodes for t in trees], best, tie_tolerance)
+    if paired is not None:
+        nodes, tps = [t.num_nodes for t in trees], [f["tokens_per_step"] for f in figures]
+        cells = measure_choices(paired.decoder(trees), paired.prompts,
+                                paired_candidates(batch, nodes, paired.settings.candidates), tps, paired.settings,
+                                paired.sampler, paired.progress)
+        apply_paired(batch, cells, nodes, tps, paired.settings)
     fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
     dyn = None
     if dynamic is not None:
@@ -181,9 +191,13 @@ def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: d
 def plot_batch_throughput(trees: list[Tree], batch: dict[str, dict[str, Any]], path: Path, provenance: dict) -> None:
     """Batch throughput (modeled, tokens/s summed over the batch) against batch size, for AR and
     every bank tree, the best tree at each batch size marked: where the lines cross, a smaller tree
-    (or no speculation) takes over."""
+    (or no speculation) takes over. Where the bank timed its choices paired against batched AR, a
+    second panel shows each candidate's measured ratio to AR (median and interval) beside the
+    step-cost model's predicted ratio, and the choice."""
     sizes = sorted(int(b) for b in batch)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    has_paired = any(batch[str(b)].get("paired") for b in sizes)
+    fig, axes = plt.subplots(1, 2 if has_paired else 1, figsize=(13 if has_paired else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
     for k, t in enumerate(trees):
         ys = [batch[str(b)]["tok_per_s"][k] for b in sizes]
         label = "AR (root only)" if t.num_nodes == 1 else f"{t.num_nodes} nodes, depth {t.depth}"
@@ -200,7 +214,45 @@ def plot_batch_throughput(trees: list[Tree], batch: dict[str, dict[str, Any]], p
     ax.set_title(f"Batch throughput: {provenance.get('task', '')} ({_machine_line(provenance)})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if has_paired:
+        plot_paired_ratios(axes[0][1], trees, batch, sizes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def plot_paired_ratios(ax: Any, trees: list[Tree], batch: dict[str, dict[str, Any]], sizes: list[int]) -> None:
+    """Per batch size, each timed candidate's paired ratio to batched AR: median with its interval
+    (bars), the step-cost model's predicted ratio (x), the choice circled; AR at 1."""
+    timed = sorted({c["tree"] for b in sizes for c in (batch[str(b)].get("paired") or {}).get("candidates", [])})
+    width = 0.6 / max(len(timed), 1)
+    for j, k in enumerate(timed):
+        xs, med, lo, hi, mx, my = [], [], [], [], [], []
+        for i, b in enumerate(sizes):
+            cand = next((c for c in (batch[str(b)].get("paired") or {}).get("candidates", []) if c["tree"] == k), None)
+            if cand is None:
+                continue
+            x = i + (j - (len(timed) - 1) / 2) * width
+            xs.append(x)
+            med.append(cand["median"])
+            lo.append(cand["median"] - cand["low"])
+            hi.append(cand["high"] - cand["median"])
+            if cand.get("model_ratio") is not None:
+                mx.append(x)
+                my.append(cand["model_ratio"])
+            if batch[str(b)]["best_static"] == k:
+                ax.scatter([x], [cand["median"]], s=160, facecolors="none", edgecolors="red", zorder=6)
+        line = ax.errorbar(xs, med, yerr=[lo, hi], fmt="o", capsize=3,
+                           label=f"[{k}] {trees[k].num_nodes} nodes, depth {trees[k].depth}")
+        if mx:
+            ax.scatter(mx, my, marker="x", color=line[0].get_color(), zorder=5)
+    ax.axhline(1.0, color="black", lw=1.5, label="batched AR")
+    ax.scatter([], [], marker="x", color="gray", label="step-cost model's ratio")
+    ax.scatter([], [], s=160, facecolors="none", edgecolors="red", label="bank's choice")
+    ax.set_xticks(range(len(sizes)), [str(b) for b in sizes])
+    ax.set_xlabel("batch size")
+    level = next((batch[str(b)]["paired"].get("level") for b in sizes if batch[str(b)].get("paired")), None)
+    ax.set_ylabel(f"decode rate / batched AR (median, {100 * (level or 0):.0f}% interval)")
+    ax.set_title("Paired, interleaved timing against the runtime's batched AR", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

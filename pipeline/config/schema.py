@@ -393,6 +393,16 @@ class BankConfig:
     # it did; 1% was too tight on an AVX2 EPYC, where three timings put the 3- and 5-node trees 0.4-1.9%
     # apart on GSM8K and the choice flipped 5 -> 3 (2% would have held it); 2% gives up at most 2%
     tie_tolerance: float = at_least(0.02, 0.0, 0.5)
+    # the choice at each batch size, timed as a ratio (`pipeline.timing.paired`): the bank's trees of
+    # highest modeled batch tok/s there (this many) decode against the runtime's batched AR in
+    # rounds of blocks AR, T1..Tn, Tn..T1, AR on the same prompts; a tree is chosen where the
+    # interval of its median ratio lies above 1
+    paired_candidates: int = at_least(3, 1)
+    paired_min_rounds: int = at_least(4, 2)     # rounds every candidate gets
+    paired_max_rounds: int = at_least(12, 2)    # the cap: more rounds only while an interval straddles the decision
+    paired_new_tokens: int = at_least(32, 2)    # tokens per sequence of each timed block
+    paired_prompts: int = at_least(4, 1)        # calibration prompts the rounds rotate over (B copies of one per block)
+    paired_level: float = at_least(0.9, 0.5, 0.99)  # the intervals' coverage (seeded bootstrap of the median)
 
 
 @dataclass

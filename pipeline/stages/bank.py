@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.artifacts import MANIFEST, read_json, run_stage
+from pipeline.artifacts import MANIFEST, machine_key, read_json, run_stage
 from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
 from pipeline.paths import Layout
 from pipeline.stages import grow as grow_stage
@@ -20,13 +20,13 @@ from pipeline.stages import model as model_stage
 from pipeline.stages import recalibrate as recalibrate_stage
 from pipeline.stages import scores as scores_stage
 from pipeline.stages import time as time_stage
-from pipeline.graph import runtime_key
+from pipeline.graph import runtime_key, runtime_spec
 from pipeline.stages.rollout import calib_rows
-from pipeline.stages.prepare import rows_hash
+from pipeline.stages.prepare import rows_hash, split_rows
 
 log = logging.getLogger(__name__)
 
-READS = ("bank",)
+READS = ("bank", "sampling", "acceptance")  # the last two: how the paired timing decodes
 
 
 def policy_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -49,17 +49,28 @@ def output(cfg: DictConfig) -> Path:
     key = {**runtime_key(cfg), **config_key(cfg, READS), "policy": policy_settings(cfg),
            "time": output_digest(time_dir), "recalibrate": output_digest(recal_dir), "grow": output_digest(grow_dir),
            "rollout": output_digest(rollout_dir)}
+    # the choices per batch size are timed here, paired against batched AR (`pipeline.timing.paired`)
+    paired_rows = split_rows(cfg, "calib", int(cfg.bank.paired_prompts))
+    key.update({"paired_prompts": rows_hash(paired_rows), "machine": machine_key(str(cfg.device))})
     scores_dir = scores_stage.output(cfg) if scores_stage.wanted(cfg) else None  # EntMTP-dyn's inputs
     if scores_dir is not None:
         key.update({"dynamic": plain(cfg.dynamic), "scores": output_digest(scores_dir)})
 
     def build(tmp: Path) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
         from pipeline.bank.write import build_bank  # matplotlib: only when the bank is (re)built
+        from pipeline.loaders import sampler_from_cfg, tree_decoder
+        from pipeline.timing.paired import PairedRun, PairedSettings
 
         rk = runtime_key(cfg)
         dynamic = None if scores_dir is None else scores_stage.bank_inputs(cfg, scores_dir, time_dir)
+        bar = tqdm(desc="batch choices: paired rounds against batched AR", unit="round")
+        paired = PairedRun(lambda trees: tree_decoder(runtime_spec(cfg), trees, cfg.acceptance),
+                           [r["input_ids"] for r in paired_rows], PairedSettings.from_bank_config(plain(cfg.bank)),
+                           sampler_from_cfg(cfg.sampling), bar.update)
         return build_bank(
-            tmp, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
+            tmp, paired=paired, timing=read_json(time_dir / "timing.json"), recal=read_json(recal_dir / "recalibrate.json"),
             frontier=read_json(grow_dir / "frontier.json"), rollout_dir=rollout_dir, policy_cfg=policy_settings(cfg),
             members=str(cfg.bank.members), min_oracle_share=float(cfg.bank.min_oracle_share),
             tie_tolerance=float(cfg.bank.tie_tolerance), dynamic=dynamic,

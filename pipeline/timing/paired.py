@@ -1,0 +1,274 @@
+"""The bank's choice at each batch size, measured as a paired ratio (DESIGN section 10).
+
+A choice ("tree k beats AR at batch size B") is a ratio, so it is timed as one: the few candidate
+trees and the runtime's real batched AR (`runtime.ar.ar_generate_batch`, what `EntMTP.generate_batch`
+decodes with where the bank says AR) decode the same batch of prompts in one round of short blocks
+AR, T1, .., Tn, Tn, .., T1, AR. Every tree's two blocks sit symmetrically around the round's
+centre, as do AR's, so a drift of a shared machine that is linear over the round cancels in each
+tree's ratio to AR (and in any two trees' ratio to each other); with one tree the round is AR, T,
+T, AR.
+
+The ratio of a round (`round_ratios`) is the tree's decode rate over AR's at the tree's bank
+tokens/step (replayed over the whole calibration split):
+
+    ratio_k = tokens_per_step_k * (AR seconds per batch step) / (tree k's seconds per batch step)
+
+where a block's seconds per step are its wall time less its prefills over its batch steps. Why
+this and not the blocks' own tokens/s: the blocks decode a few prompts for a few tokens, and their
+own acceptance is a sample of a handful of positions, whereas the replayed tokens/step averages
+the whole calibration split; the timed part is then exactly what varies with the machine (the
+step's cost relative to AR's), and the ratio is the one the step-cost model predicts from the same
+figures (`model_ratio`), so their distance is the model's error and nothing else. The prefill,
+the same for both sides, is left out: it only dilutes every ratio towards 1 and never changes
+which side is faster. Every batch size, B = 1 included, is timed the same way. A batch holds B
+copies of one prompt, so that it stays whole to the end on both sides (copies accept alike); the
+prompt rotates over the rounds.
+
+Each tree's per-round ratios give a median and a seeded bootstrap interval of it (`runtime.check.
+median_interval`, the statistic `entmtp inspect --check` reports); rounds continue, with AR and only
+the trees that can still change the decision, while an interval straddles it (`undecided`), up to
+a cap. The choice (`choose`): the best tree whose interval lies above 1 (its lower bound beats AR),
+the smallest of those not confidently slower than it; otherwise AR. Across batch sizes the choices
+are kept monotone (`monotone_choices`): a larger B drafts no bigger tree than a smaller B chose,
+unless the per-round ratio of the bigger tree to the alternative says it is faster with confidence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.check import LEVEL, median_interval
+
+# what a record's ratio is (bank.json "batch_sizes"[B]["paired"]["ratio"])
+RATIO = "decode rate of the tree over batched AR's, at the tree's replayed tokens/step"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One timed decode of a batch: its wall time less its prefills, and its batch steps."""
+
+    seconds: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class PairedSettings:
+    """The `bank.paired_*` settings (pipeline/config/schema.py `BankConfig` says what each does)."""
+
+    candidates: int = 3
+    min_rounds: int = 4
+    max_rounds: int = 12
+    new_tokens: int = 32
+    prompts: int = 4
+    level: float = LEVEL
+
+    def __post_init__(self) -> None:
+        if self.candidates < 1 or self.min_rounds < 2 or self.max_rounds < self.min_rounds:
+            raise ValueError(f"paired settings need candidates >= 1 and 2 <= min_rounds <= max_rounds, got "
+                             f"{self.candidates}, {self.min_rounds}, {self.max_rounds}")
+        if self.new_tokens < 2 or self.prompts < 1 or not 0.5 <= self.level < 1.0:
+            raise ValueError(f"paired settings need new_tokens >= 2 (one batch step at least), prompts >= 1 and a "
+                             f"level in [0.5, 1), got {self.new_tokens}, {self.prompts}, {self.level}")
+
+    @classmethod
+    def from_bank_config(cls, bank: Mapping[str, Any]) -> PairedSettings:
+        """From the plain `bank` config group (its `paired_*` keys)."""
+        kinds = {"candidates": int, "min_rounds": int, "max_rounds": int, "new_tokens": int, "prompts": int,
+                 "level": float}
+        return cls(**{f: kind(bank[f"paired_{f}"]) for f, kind in kinds.items() if f"paired_{f}" in bank})
+
+
+def round_order(trees: Sequence[int]) -> list[int | None]:
+    """The blocks of one round: AR (None), the trees, the trees backwards, AR."""
+    return [None, *trees, *reversed(trees), None]
+
+
+def round_ratios(blocks: Sequence[tuple[int | None, Block]], tokens_per_step: Mapping[int, float]) -> dict[int, float]:
+    """Each tree's ratio to AR in one round (the module docstring): every side's blocks pooled,
+    seconds over steps."""
+    seconds: dict[int | None, float] = {}
+    steps: dict[int | None, int] = {}
+    for arm, b in blocks:
+        if b.steps < 1 or not b.seconds > 0:
+            raise ValueError(f"a timed block needs >= 1 step and a positive time, got {b} for "
+                             f"{'AR' if arm is None else f'tree {arm}'}")
+        seconds[arm] = seconds.get(arm, 0.0) + b.seconds
+        steps[arm] = steps.get(arm, 0) + b.steps
+    if None not in seconds:
+        raise ValueError("a round without an AR block has no ratio")
+    ar = seconds[None] / steps[None]
+    return {k: tokens_per_step[k] * ar / (seconds[k] / steps[k]) for k in seconds if k is not None}
+
+
+@dataclass
+class Cell:
+    """The paired measurement at one batch size: per round, each timed tree's ratio to AR."""
+
+    batch_size: int
+    trees: list[int]                                   # the candidates, in the order they were timed
+    rounds: list[dict[int, float]] = field(default_factory=list)
+    level: float = LEVEL
+
+    def ratios(self, k: int) -> list[float]:
+        return [r[k] for r in self.rounds if k in r]
+
+    def interval(self, k: int) -> tuple[float, float, float]:
+        """Tree k's (median, low, high) ratio to AR."""
+        return median_interval(self.ratios(k), self.level)
+
+    def versus(self, i: int, j: int) -> tuple[float, float, float]:
+        """(median, low, high) of tree i's ratio to tree j over the rounds that timed both: the AR
+        blocks cancel, so this is the pairwise comparison, tighter than two intervals against AR."""
+        both = [r[i] / r[j] for r in self.rounds if i in r and j in r]
+        return median_interval(both, self.level)
+
+    def faster(self, i: int, j: int) -> bool:
+        """Whether tree i is faster than tree j with confidence (their ratio's interval above 1)."""
+        return self.versus(i, j)[1] > 1.0
+
+    def choose(self, nodes: Sequence[int], within: Sequence[int] | None = None) -> int | None:
+        """The choice among `within` (default: every candidate): of the trees whose interval lies
+        above 1, the best median's, or the smallest tree not confidently slower than it; None (AR)
+        where no tree beats AR with confidence."""
+        pool = self.trees if within is None else [k for k in self.trees if k in within]
+        eligible = [k for k in pool if self.ratios(k) and self.interval(k)[1] > 1.0]
+        if not eligible:
+            return None
+        best = max(eligible, key=lambda k: (self.interval(k)[0], -nodes[k]))
+        ties = [k for k in eligible if k == best or not self.faster(best, k)]
+        return min(ties, key=lambda k: (nodes[k], k))
+
+    def undecided(self, nodes: Sequence[int]) -> list[int]:
+        """The trees more rounds should time: where AR is chosen, those whose interval straddles 1;
+        where a tree is, that tree and every other tree not confidently faster or slower than it
+        (either could still become the choice). Empty when the decision stands."""
+        c = self.choose(nodes)
+        if c is None:
+            return [k for k in self.trees if self.interval(k)[1] <= 1.0 <= self.interval(k)[2]]
+        open_ = [k for k in self.trees if k != c and self.versus(c, k)[1] <= 1.0 <= self.versus(c, k)[2]]
+        return [c, *open_] if open_ else []
+
+
+def measure_cell(run_block: Callable[[int | None, int], Block], batch_size: int, trees: Sequence[int],
+                 tokens_per_step: Mapping[int, float], nodes: Sequence[int], settings: PairedSettings,
+                 progress: Callable[[], None] | None = None) -> Cell:
+    """Time `trees` against AR at one batch size: `run_block(arm, round)` decodes the batch with
+    tree `arm` (None: AR) on round `round`'s prompt and returns its `Block`. One untimed block per
+    side first; then `settings.min_rounds` rounds of every tree, then rounds of AR and the
+    `undecided` trees while there are any, `settings.max_rounds` rounds in all at most."""
+    cell = Cell(batch_size, list(trees), level=settings.level)
+    if not trees:
+        return cell
+    for arm in [None, *trees]:
+        run_block(arm, 0)  # warm-up: caches, allocator, the tree's first use
+    while len(cell.rounds) < settings.max_rounds:
+        timed = list(trees)
+        if len(cell.rounds) >= settings.min_rounds:
+            timed = cell.undecided(nodes)
+            if not timed:
+                break
+        r = len(cell.rounds)
+        cell.rounds.append(round_ratios([(arm, run_block(arm, r)) for arm in round_order(timed)], tokens_per_step))
+        if progress:
+            progress()
+    return cell
+
+
+def monotone_choices(cells: Mapping[int, Cell], nodes: Sequence[int]) -> dict[int, tuple[int | None, int | None]]:
+    """{B: (choice, unconstrained choice)}, B ascending: each cell's `choose`, except that a tree
+    bigger than the previous (smaller) batch size's choice gives way to the best candidate no bigger
+    than that one, unless its ratio to that candidate lies above 1 with confidence. Where the
+    alternative is AR the bigger tree already beats AR with confidence, and stays."""
+    out: dict[int, tuple[int | None, int | None]] = {}
+    cap: int | None = None   # nodes of the previous batch size's choice (1: AR)
+    for b in sorted(cells):
+        cell = cells[b]
+        free = c = cell.choose(nodes)
+        if c is not None and cap is not None and nodes[c] > cap:
+            alt = cell.choose(nodes, within=[k for k in cell.trees if nodes[k] <= cap])
+            if alt is not None and not cell.faster(c, alt):
+                c = alt
+        out[b] = (c, free)
+        cap = nodes[c] if c is not None else 1
+    return out
+
+
+def candidates_at(tok_per_s: Sequence[float | None], nodes: Sequence[int], count: int) -> list[int]:
+    """The `count` trees (root-only excluded) of highest modeled batch tok/s at one batch size,
+    fastest first."""
+    ranked = sorted((k for k, v in enumerate(tok_per_s) if v is not None and nodes[k] > 1),
+                    key=lambda k: (-tok_per_s[k], nodes[k]))
+    return ranked[:count]
+
+
+def cell_record(cell: Cell, choice: int | None, unconstrained: int | None, model_ratio: Mapping[int, float],
+                settings: PairedSettings) -> dict[str, Any]:
+    """What bank.json's "batch_sizes"[B]["paired"] holds (read back by `runtime.bank`): per candidate
+    its median ratio to AR, the interval, its rounds and the step-cost model's predicted ratio."""
+    cands = []
+    for k in cell.trees:
+        med, low, high = cell.interval(k)
+        cands.append({"tree": k, "median": med, "low": low, "high": high, "rounds": len(cell.ratios(k)),
+                      "model_ratio": model_ratio.get(k)})
+    rec: dict[str, Any] = {"ratio": RATIO, "level": settings.level, "new_tokens": settings.new_tokens,
+                           "rounds": len(cell.rounds), "candidates": cands}
+    if unconstrained != choice:
+        rec["unconstrained"] = unconstrained   # what the batch size alone chose, before `monotone_choices`
+    return rec
+
+
+def decoder_blocks(decoder: Any, prompts: Sequence[Sequence[int]], batch_size: int, new_tokens: int,
+                   sampler: Any = None, now: Callable[[], float] | None = None) -> Callable[[int | None, int], Block]:
+    """`run_block` for `measure_cell` over a `runtime.decoder.TreeDecoder`: round r decodes B copies
+    of prompt r mod len(prompts) for `new_tokens` tokens (no early stop on EOS, so both sides decode
+    the same count), AR with `runtime.ar.ar_generate_batch`, tree k with `decoder.generate_batch`.
+    The wall clock (after a device synchronisation): the prefills the runtime times are wall time,
+    and the pairing, not the clock, is what takes the machine's drift out."""
+    from runtime.ar import ar_generate_batch
+    from runtime.device import clock
+
+    if not prompts:
+        raise ValueError("no prompts to time the batch with")
+    tick = now or (lambda: clock(decoder.model.device))
+
+    def run(arm: int | None, r: int) -> Block:
+        batch = [list(prompts[r % len(prompts)])] * batch_size
+        t0 = tick()
+        if arm is None:
+            prefills: list[float] = []
+            ar_generate_batch(decoder.model, batch, new_tokens, eos_ids=(), sampler=sampler, prefill_seconds=prefills)
+            seconds, steps = tick() - t0 - sum(prefills), new_tokens - 1
+        else:
+            res = decoder.generate_batch(batch, new_tokens, choose=arm, eos_ids=(), sampler=sampler)
+            seconds, steps = tick() - t0 - sum(x.prefill_seconds for x in res), max(len(x.steps) for x in res)
+        return Block(seconds, steps)
+
+    return run
+
+
+def measure_choices(decoder: Any, prompts: Sequence[Sequence[int]], candidates: Mapping[int, Sequence[int]],
+                    tokens_per_step: Sequence[float], settings: PairedSettings, sampler: Any = None,
+                    progress: Callable[[], None] | None = None) -> dict[int, Cell]:
+    """The paired measurement of a bank's choices: {B: `Cell`} for `candidates` {B: indices of the
+    trees of `decoder` (a `runtime.decoder.TreeDecoder` over the bank's trees, in bank order) to
+    time at B}, on `prompts` (token ids), each tree at its bank `tokens_per_step`."""
+    nodes = [t.num_nodes for t in decoder.trees]
+    tps = dict(enumerate(tokens_per_step))
+    return {b: measure_cell(decoder_blocks(decoder, prompts[:settings.prompts], b, settings.new_tokens, sampler), b,
+                            list(trees), tps, nodes, settings, progress)
+            for b, trees in sorted(candidates.items())}
+
+
+@dataclass
+class PairedRun:
+    """What the bank stage gives `pipeline.bank.write.build_bank` to time its choices with: a
+    `runtime.decoder.TreeDecoder` over given trees (built once the bank's trees are known), the
+    prompts (token ids), the settings and the sampler of the bank's decodes."""
+
+    decoder: Callable[[list[Any]], Any]
+    prompts: list[list[int]]
+    settings: PairedSettings = field(default_factory=PairedSettings)
+    sampler: Any = None
+    progress: Callable[[], None] | None = None
