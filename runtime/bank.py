@@ -8,7 +8,7 @@ On disk (one folder; no pickle, nothing in it is ever executed):
                        them, each batch size's candidates' paired ratios to batched AR
                        (`PAIRED_KEY`; optional), fitted policies,
                        EntMTP-dyn's fitted dynamic policy (`dynamic`: super-tree, step cost per
-                       size, calibration; optional), oracle figures, provenance, and two seals:
+                       size, calibration, where timed its paired ratio to EntMTP*; optional), oracle figures, provenance, and two seals:
                        `buffers_sha256`/`buffers_bytes` (which tensor file belongs to this JSON)
                        and `doc_sha256` (a checksum of the JSON's own content)
   buffers.safetensors  every tree's precompiled `TreeBuffers`, prefixed `tree{k}.`
@@ -189,6 +189,23 @@ def _check_paired(batch: Any, trees: list[Tree], where: str) -> None:
 DYNAMIC_KEYS = ("super_tree", "step_ms", "calibration")
 
 
+def _check_dynamic_paired(rec: Any, where: str) -> None:
+    """EntMTP-dyn's "paired" record, where it has one (timed against EntMTP*, its unpriced cost per
+    step added to its step costs): a positive median inside its positive interval, rounds >= 1,
+    finite overheads (ms per step) and `offered` true exactly where the interval lies above 1."""
+    if rec is None:
+        return
+    w = f"{where}: dynamic.{PAIRED_KEY}"
+    nums = [rec.get(key) for key in ("low", "median", "high")] if isinstance(rec, dict) else []
+    if (len(nums) != 3 or not all(_is_number(x) and math.isfinite(x) and x > 0 for x in nums)
+            or not nums[0] <= nums[1] <= nums[2] or not _is_number(rec.get("rounds")) or rec["rounds"] < 1
+            or not all(_is_number(rec.get(k, 0.0)) and math.isfinite(rec.get(k, 0.0))
+                       for k in ("overhead_ms", "measured_overhead_ms", "priced_overhead_ms"))
+            or rec.get("offered") is not (nums[0] > 1.0)):
+        raise BankError(f"{w} needs 0 < low <= median <= high, rounds >= 1, finite overheads and offered = "
+                        f"(low > 1), got {_short(rec, 200)}; {_REBUILD}")
+
+
 def _dynamic_policy(d: dict[str, Any], where: str, max_depth: int | None = None) -> Any:
     """The `runtime.dynamic.DynamicPolicy` a bank's `dynamic` entry describes, checked: its
     super-tree (rank paths), one positive step cost per size, a monotone calibration and, where
@@ -198,6 +215,7 @@ def _dynamic_policy(d: dict[str, Any], where: str, max_depth: int | None = None)
     if not isinstance(d, dict) or any(k not in d for k in DYNAMIC_KEYS):
         raise BankError(f"{where}: 'dynamic' must be an object with {', '.join(DYNAMIC_KEYS)} (EntMTP-dyn), got "
                         f"{_short(d)}; {_REBUILD}")
+    _check_dynamic_paired(d.get(PAIRED_KEY), where)
     try:
         tree = Tree(d["super_tree"])
         if max_depth is not None and tree.depth > max_depth:
@@ -285,6 +303,11 @@ class TopologyBank:
                          + (f" ({100 * share:.0f}% of the oracle)" if share else "")
                          + (f"; its super-tree's hindsight ceiling {ceiling['tokens_per_second']:.1f} tok/s"
                             if isinstance(ceiling := self.dynamic.get("ceiling"), dict) else ""))
+            if isinstance(p := self.dynamic.get(PAIRED_KEY), dict):
+                lines.append(f"  EntMTP-dyn paired against EntMTP*: {p['median']:.2f}x [{p['low']:.2f}, {p['high']:.2f}] "
+                             f"in {p['rounds']} rounds (replayed {p.get('replay_ratio', nan):.2f}x, its steps priced "
+                             f"{p.get('priced_overhead_ms', 0.0):.2f} ms dearer as measured): "
+                             + ("offered (beats EntMTP*)" if p["offered"] else "not offered (does not beat EntMTP* here)"))
         for b, entry in sorted((self.batch_schedule or {}).items(), key=lambda kv: int(kv[0])):
             k, chain, ar = entry.get("best_static"), entry.get("best_chain"), entry.get("ar_tok_per_s")
             tree = "no speculation (AR)" if k is None else (

@@ -8,15 +8,19 @@ trees at its deepest max depth and the sizes `dynamic.super_sizes` (draft nodes)
 MAX_SUPER_NODES nodes (a subset is keyed by a bitmask in one int64) and no more rows than the cost
 model measured (past them its verify cost is only extrapolated). The calibration rollout is scored
 for every candidate (`pipeline.rollout.score_prompt`), and `pipeline.bank.policies.fit_dynamic` keeps
-the candidate and calibration with the best replayed tokens per second.
+the candidate and calibration with the best replayed tokens per second. The bank stage then prices
+dyn as it runs (`build_dynamic`'s `price`): what a dyn step costs beyond its modeled cost (choosing
+and building its subset, scoring the drafts), timed against EntMTP* in paired rounds, is added to
+every step cost and the fit runs again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pipeline.timing.paired import DynamicCell
     from runtime.tree import Tree
 
 # the format of the head scores (`pipeline.rollout.save_scores`); a reader refuses any other, and
@@ -86,11 +90,20 @@ def cost_rows_limit(cost_model: Any) -> int:
 
 def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any, context: float,
                   oracle_tok_per_s: float | None, rank_cap: int | None = None, calibrate: bool = True,
-                  stop_below: Sequence[float] = (0.0,)) -> dict[str, Any] | None:
+                  stop_below: Sequence[float] = (0.0,), price: Callable[[Any, float], DynamicCell] | None = None,
+                  static_tok_per_s: float | None = None) -> dict[str, Any] | None:
     """The bank's `dynamic` entry: `fit_dynamic` over the scored candidates (`pipeline.rollout.
     load_scores`) that the cost model covers and the early-stop thresholds `stop_below`, with the
     replayed share of the bank's oracle and of the super-tree's hindsight ceiling ("ceiling");
-    None when no candidate is left."""
+    None when no candidate is left.
+
+    With `price` (`price(policy, replay_ratio)`: the fitted `DynamicPolicy` timed against EntMTP*,
+    `pipeline.timing.paired.measure_dynamic`) and EntMTP*'s replayed tok/s, dyn is priced as it runs:
+    the cost per step the model leaves out (its scheduling, its scored drafting; measured paired
+    against EntMTP*) is added to every step cost and the fit is run again, so its replayed figures,
+    its subset sizes and its early-stop threshold pay for it; the refitted policy is timed again and
+    the entry records that measurement under "paired" (`offered`: its interval against EntMTP*
+    lies above 1)."""
     from pipeline.bank.policies import fit_dynamic
     from pipeline.replay.dynamic import dynamic_ceiling
     from runtime.dynamic import MAX_SUPER_NODES, DynamicPolicy
@@ -100,9 +113,28 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
     keep = [s for s, paths in enumerate(scores["super_trees"]) if len(paths) + 1 <= limit]
     if not keep:
         return None
-    fitted = fit_dynamic(rollouts, [Tree(scores["super_trees"][s]) for s in keep], [scores["scores"][s] for s in keep],
-                         lambda t: dynamic_step_ms(cost_model, t, context), rank_cap=rank_cap, calibrate=calibrate,
-                         draft_ms_for=lambda t: dynamic_draft_ms(cost_model, t), stop_below=stop_below)
+    def fit(overhead_ms: float) -> dict[str, Any]:
+        return fit_dynamic(rollouts, [Tree(scores["super_trees"][s]) for s in keep], [scores["scores"][s] for s in keep],
+                           lambda t: [c + overhead_ms for c in dynamic_step_ms(cost_model, t, context)],
+                           rank_cap=rank_cap, calibrate=calibrate, draft_ms_for=lambda t: dynamic_draft_ms(cost_model, t),
+                           stop_below=stop_below)
+
+    def policy_of(f: dict[str, Any]) -> DynamicPolicy:
+        return DynamicPolicy(Tree(f["super_tree"]), f["step_ms"], f["calibration"], draft_ms=f["draft_ms"],
+                             stop_below=f["stop_below"])
+
+    fitted = fit(0.0)
+    paired = None
+    if price is not None and static_tok_per_s:
+        first = price(policy_of(fitted), fitted["replay"]["tokens_per_second"] / static_tok_per_s)
+        # a negative excess (dyn's steps cheaper than modeled, relative to EntMTP*'s) is model error,
+        # not a cost of running dyn: nothing is taken off
+        added = max(0.0, first.overhead())
+        fitted = fit(added)
+        ratio = fitted["replay"]["tokens_per_second"] / static_tok_per_s
+        # "overhead_ms" of the record: what the priced policy still leaves unpriced (near 0 when priced right)
+        paired = {**price(policy_of(fitted), ratio).record(ratio), "measured_overhead_ms": first.overhead(),
+                  "priced_overhead_ms": added}
     tps = fitted["replay"]["tokens_per_second"]
     fitted["replay"]["share_of_oracle"] = tps / oracle_tok_per_s if oracle_tok_per_s and tps else None
     # what the fitted super-tree allows at best (`pipeline.replay.dynamic_ceiling`): the bound on
@@ -111,4 +143,6 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
     fitted["ceiling"] = dynamic_ceiling(rollouts, policy, rank_cap)
     fitted["replay"]["share_of_ceiling"] = tps / fitted["ceiling"]["tokens_per_second"] if tps else None
     fitted["context"] = float(context)
+    if paired is not None:
+        fitted["paired"] = paired
     return fitted

@@ -1,5 +1,6 @@
 """bank: the TopologyBank — the throughput hull of the timed trees (plus the trees the per-step
-oracle uses, `bank.members`), fitted policies, the oracle bound and plots."""
+oracle uses, `bank.members`), fitted policies, the oracle bound and plots; its choice per batch
+size and EntMTP-dyn's price timed here, paired against batched AR and EntMTP* (`bank.paired_*`)."""
 
 from __future__ import annotations
 

@@ -31,17 +31,24 @@ a cap. The choice (`choose`): the best tree whose interval lies above 1 (its low
 the smallest of those not confidently slower than it; otherwise AR. Across batch sizes the choices
 are kept monotone (`monotone_choices`): a larger B drafts no bigger tree than a smaller B chose,
 unless the per-round ratio of the bigger tree to the alternative says it is faster with confidence.
+
+EntMTP-dyn (`measure_dynamic`) is timed the same way against EntMTP* at batch size 1 (blocks S, D,
+D, S): what its steps cost beyond what the step-cost model prices them at, relative to EntMTP*'s
+steps, is its scheduling and scored drafting (`dynamic_round`); `pipeline.bank.dynamic` adds it
+to dyn's step costs and fits again.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.check import LEVEL, median_interval
 
-# what a record's ratio is (bank.json "batch_sizes"[B]["paired"]["ratio"])
+# what a record's ratio is (bank.json "batch_sizes"[B]["paired"]["ratio"]); the evaluate stage's
+# `decode_vs_batched_ar` is the same ratio measured on the eval split (its own acceptance)
 RATIO = "decode rate of the tree over batched AR's, at the tree's replayed tokens/step"
 
 
@@ -272,3 +279,104 @@ class PairedRun:
     settings: PairedSettings = field(default_factory=PairedSettings)
     sampler: Any = None
     progress: Callable[[], None] | None = None
+
+
+# ---------------------------------------------------------------------------------- EntMTP-dyn
+
+
+@dataclass(frozen=True)
+class PricedBlock:
+    """One timed decode for EntMTP-dyn's pricing: its steps' wall seconds, what the step-cost model
+    priced those same steps at (seconds), and the step count."""
+
+    measured_s: float
+    modeled_s: float
+    steps: int
+
+
+@dataclass
+class DynamicCell:
+    """EntMTP-dyn timed against EntMTP* at batch size 1: per round, dyn's ratio to EntMTP* and its
+    unpriced cost per step (`dynamic_round`)."""
+
+    ratios: list[float] = field(default_factory=list)
+    overhead_ms: list[float] = field(default_factory=list)
+    level: float = LEVEL
+
+    def interval(self) -> tuple[float, float, float]:
+        return median_interval(self.ratios, self.level)
+
+    def overhead(self) -> float:
+        """The median over rounds of dyn's unpriced ms per step."""
+        return statistics.median(self.overhead_ms)
+
+    def record(self, replay_ratio: float) -> dict[str, Any]:
+        """What the bank's `dynamic` entry holds under "paired" (`runtime.bank` reads it back)."""
+        med, low, high = self.interval()
+        return {"versus": "EntMTP*", "median": med, "low": low, "high": high, "rounds": len(self.ratios),
+                "level": self.level, "replay_ratio": replay_ratio, "overhead_ms": self.overhead(),
+                "offered": low > 1.0}
+
+
+def dynamic_round(blocks: Sequence[tuple[bool, PricedBlock]], replay_ratio: float) -> tuple[float, float]:
+    """(ratio, overhead_ms) of one round of EntMTP* (False) and EntMTP-dyn (True) blocks.
+
+    Each side's measured over modeled seconds (its blocks pooled) is the machine's speed as that side
+    sees it; EntMTP*'s is the reference, so dyn's excess over it is what the model does not price in
+    a dyn step (its scheduling, its scored drafting): overhead_ms, in the model's ms per dyn step.
+    The ratio is the replayed ratio (dyn's replayed tok/s over EntMTP*'s, over the whole calibration
+    split) corrected by that excess: replay_ratio * speed(EntMTP*) / speed(dyn)."""
+    pooled = {side: [0.0, 0.0, 0] for side in (False, True)}
+    for side, b in blocks:
+        if b.steps < 1 or not (b.measured_s > 0 and b.modeled_s > 0):
+            raise ValueError(f"a priced block needs >= 1 step and positive times, got {b}")
+        acc = pooled[side]
+        acc[0], acc[1], acc[2] = acc[0] + b.measured_s, acc[1] + b.modeled_s, acc[2] + b.steps
+    if not pooled[False][2] or not pooled[True][2]:
+        raise ValueError("a round needs blocks of both EntMTP* and EntMTP-dyn")
+    static_speed, dyn_speed = (pooled[s][0] / pooled[s][1] for s in (False, True))
+    dyn_model_ms = 1000 * pooled[True][1] / pooled[True][2]
+    return replay_ratio * static_speed / dyn_speed, (dyn_speed / static_speed - 1.0) * dyn_model_ms
+
+
+def measure_dynamic(run_block: Callable[[bool, int], PricedBlock], replay_ratio: float, settings: PairedSettings,
+                    progress: Callable[[], None] | None = None) -> DynamicCell:
+    """Rounds of blocks EntMTP*, dyn, dyn, EntMTP* (`run_block(dyn, round)`), one untimed block of
+    each first; `settings.min_rounds`, then more while the ratio's interval straddles 1, at most
+    `settings.max_rounds`."""
+    cell = DynamicCell(level=settings.level)
+    run_block(False, 0), run_block(True, 0)  # warm-up
+    while len(cell.ratios) < settings.max_rounds:
+        if len(cell.ratios) >= settings.min_rounds:
+            _, low, high = cell.interval()
+            if not low <= 1.0 <= high:
+                break
+        r = len(cell.ratios)
+        ratio, overhead = dynamic_round([(arm is not None, run_block(arm is not None, r))
+                                         for arm in round_order([1])], replay_ratio)
+        cell.ratios.append(ratio)
+        cell.overhead_ms.append(overhead)
+        if progress:
+            progress()
+    return cell
+
+
+def dynamic_blocks(decoder: Any, prompts: Sequence[Sequence[int]], static: int, static_step_ms: float, policy: Any,
+                   new_tokens: int, sampler: Any = None) -> Callable[[bool, int], PricedBlock]:
+    """`run_block` for `measure_dynamic` over a `runtime.decoder.TreeDecoder`: round r decodes prompt
+    r mod len(prompts) alone for `new_tokens` tokens (no early stop on EOS) with the bank's tree
+    `static` (priced `static_step_ms` a step) or with `policy` (a `runtime.dynamic.DynamicPolicy`,
+    each step priced by its own `step_costs` at the depth it drafted and the nodes it verified)."""
+    if not prompts:
+        raise ValueError("no prompts to time EntMTP-dyn with")
+
+    def run(dyn: bool, r: int) -> PricedBlock:
+        res = decoder.generate(list(prompts[r % len(prompts)]), new_tokens, choose=policy if dyn else static,
+                               eos_ids=(), sampler=sampler)
+        if dyn:
+            modeled = sum(policy.step_costs(max(s.depth, 0))[s.nodes - 1] for s in res.steps)
+        else:
+            modeled = static_step_ms * len(res.steps)
+        return PricedBlock(sum(s.seconds for s in res.steps), modeled / 1000, len(res.steps))
+
+    return run

@@ -65,3 +65,27 @@ def _broken(change) -> TopologyBank:  # noqa: ANN001 - a function of the record
 def test_a_record_that_breaks_its_rules_is_refused(tmp_path: Path, change, message: str) -> None:  # noqa: ANN001
     with pytest.raises(BankError, match=message):
         _broken(change).save(tmp_path / "b")
+
+
+DYN_PAIRED = {"versus": "EntMTP*", "median": 0.95, "low": 0.9, "high": 1.01, "rounds": 5, "level": 0.9,
+              "replay_ratio": 1.02, "overhead_ms": 0.02, "offered": False, "measured_overhead_ms": 0.3,
+              "priced_overhead_ms": 0.3}
+
+
+@pytest.mark.parametrize("change,ok", [
+    ({}, True),
+    ({"offered": True}, False),                      # offered although its interval reaches 1
+    ({"low": 1.02, "offered": True}, False),         # low above the median
+    ({"rounds": 0}, False),
+    ({"priced_overhead_ms": float("nan")}, False),
+])
+def test_dyns_paired_record_is_checked(tmp_path: Path, change: dict, ok: bool) -> None:
+    bank = make_bank()
+    bank.dynamic = {"super_tree": [[0], [1]], "step_ms": [5.0, 6.0, 7.0], "calibration": {},
+                    "paired": {**DYN_PAIRED, **change}}
+    if ok:
+        assert TopologyBank.load(bank.save(tmp_path / "b")).dynamic["paired"] == DYN_PAIRED
+        assert "not offered (does not beat EntMTP* here)" in bank.summary()
+    else:
+        with pytest.raises(BankError, match="dynamic.paired needs"):
+            bank.save(tmp_path / "b")

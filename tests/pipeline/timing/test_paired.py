@@ -1,6 +1,7 @@
 """The bank's choices timed as paired ratios: the interleaving of a round, the per-round ratio, the
 interval and when more rounds run, the choice rule, its monotonicity in the batch size, and one
-measurement with real tiny decoders (the runtime's batched AR against its tree decoder)."""
+measurement with real tiny decoders (the runtime's batched AR against its tree decoder); EntMTP-dyn
+timed against EntMTP* (its unpriced cost per step, the corrected ratio), fake and real."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import random
 import pytest
 
 import runtime.ar
-from pipeline.timing.paired import (Block, Cell, PairedSettings, candidates_at, measure_cell, measure_choices,
-                                    monotone_choices, round_order, round_ratios)
+from pipeline.timing.paired import (Block, Cell, PairedSettings, PricedBlock, candidates_at, dynamic_blocks,
+                                    dynamic_round, measure_cell, measure_choices, measure_dynamic, monotone_choices,
+                                    round_order, round_ratios)
 from runtime.decoder import TreeDecoder
 from runtime.tree import Tree, TreeBuffers
 from tests.helpers import invariant_model, random_prompts, tiny_heads
@@ -208,3 +210,48 @@ def test_real_tiny_decoders_time_trees_against_the_runtimes_batched_ar(monkeypat
             assert 0 < low <= med <= high < 100
     # every round's AR blocks are the runtime's batched AR, at the cell's batch size
     assert ar_calls.count(1) == 1 + 2 * len(cells[1].rounds) and ar_calls.count(2) == 1 + 2 * len(cells[2].rounds)
+
+
+# ---------------------------------------------------------------------------------- EntMTP-dyn
+
+
+def test_a_dyn_round_prices_its_excess_over_entmtp_star_and_corrects_the_replayed_ratio() -> None:
+    # EntMTP* runs 10% slower than modeled, dyn 32% slower: dyn's excess is 20% of its modeled 5 ms step
+    blocks = [(False, PricedBlock(1.1, 1.0, 100)), (True, PricedBlock(1.32, 1.0, 200)),
+              (True, PricedBlock(1.32, 1.0, 200)), (False, PricedBlock(1.1, 1.0, 100))]
+    ratio, overhead = dynamic_round(blocks, replay_ratio=1.2)
+    assert ratio == pytest.approx(1.2 / 1.2) and overhead == pytest.approx(0.2 * 5.0)
+    with pytest.raises(ValueError, match="both EntMTP\\* and EntMTP-dyn"):
+        dynamic_round(blocks[:1], 1.0)
+
+
+def test_dyn_is_timed_static_dyn_dyn_static_until_its_interval_decides() -> None:
+    log: list[bool] = []
+
+    def run(dyn: bool, r: int) -> PricedBlock:
+        log.append(dyn)
+        wobble = 1.3 if r % 2 else 0.8   # dyn alternately far slower and faster: its interval straddles 1
+        return PricedBlock(1.0 * (wobble if dyn else 1.0), 1.0, 10)
+
+    cell = measure_dynamic(run, 1.05, QUICK)
+    assert log[:6] == [False, True, False, True, True, False] and len(cell.ratios) == QUICK.max_rounds
+    clear = measure_dynamic(lambda dyn, r: PricedBlock(1.0, 1.0, 10), 1.3, QUICK)
+    assert len(clear.ratios) == QUICK.min_rounds and clear.record(1.3)["offered"]
+    assert clear.record(1.3)["median"] == pytest.approx(1.3) and clear.overhead() == pytest.approx(0.0)
+    assert not measure_dynamic(lambda dyn, r: PricedBlock(1.0, 1.0, 10), 0.9, QUICK).record(0.9)["offered"]
+
+
+def test_real_tiny_decoders_price_a_dynamic_policy_step_by_step() -> None:
+    from runtime.dynamic import DynamicPolicy
+    from tests.helpers import SUPER
+
+    model = invariant_model("padded")
+    heads = tiny_heads(model, "hydra")
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in (Tree([]), Tree.chain(2))])
+    policy = DynamicPolicy(SUPER, [5.0 + 0.2 * n for n in range(SUPER.num_nodes)])
+    run = dynamic_blocks(dec, random_prompts(2, seed=3), 1, 6.0, policy, new_tokens=8)
+    static, dyn = run(False, 0), run(True, 0)
+    assert static.modeled_s == pytest.approx(6.0e-3 * static.steps) and static.measured_s > 0
+    assert 5.2e-3 * dyn.steps <= dyn.modeled_s <= (5.0 + 0.2 * SUPER.num_nodes) * 1e-3 * dyn.steps
+    cell = measure_dynamic(run, 1.0, PairedSettings(min_rounds=2, max_rounds=3, new_tokens=8))
+    assert 2 <= len(cell.ratios) <= 3 and all(r > 0 for r in cell.ratios)
