@@ -87,10 +87,20 @@ def batch_choices(batch: dict[str, Any], members: list[int], nodes: list[int], b
     return out
 
 
-def paired_candidates(batch: dict[str, dict[str, Any]], nodes: Sequence[int], count: int) -> dict[int, list[int]]:
-    """{B: the bank trees to time against AR at B}: the `count` of highest modeled batch tok/s there
-    (`batch_choices`' rows; the root-only tree is AR and is not a candidate)."""
-    return {int(b): candidates_at(entry["tok_per_s"], nodes, count) for b, entry in batch.items()}
+def model_ratios(entry: dict[str, Any], tokens_per_step: Sequence[float]) -> list[float | None]:
+    """Per bank tree, the step-cost model's ratio of its decode rate to AR's at one batch size
+    (`batch_choices`' entry): tokens/step x modeled AR step / modeled tree step; the quantity the
+    paired measurement times (`pipeline.timing.paired.RATIO`)."""
+    return [tps * entry["ar_step_ms"] / ms if ms else None for tps, ms in zip(tokens_per_step, entry["step_ms"])]
+
+
+def paired_candidates(batch: dict[str, dict[str, Any]], nodes: Sequence[int], tokens_per_step: Sequence[float],
+                      settings: PairedSettings) -> dict[int, list[int]]:
+    """{B: the bank trees to time against AR at B}: the `settings.candidates` of highest modeled
+    batch tok/s there (`batch_choices`' rows; the root-only tree is AR and is not a candidate), less
+    those the model prices below `settings.model_floor` times AR (the fastest is always timed)."""
+    return {int(b): candidates_at(entry["tok_per_s"], nodes, settings.candidates, model_ratios(entry, tokens_per_step),
+                                  settings.model_floor) for b, entry in batch.items()}
 
 
 def apply_paired(batch: dict[str, dict[str, Any]], cells: dict[int, Cell], nodes: Sequence[int],
@@ -107,8 +117,8 @@ def apply_paired(batch: dict[str, dict[str, Any]], cells: dict[int, Cell], nodes
             entry["best_static"], entry["best_chain"] = None, None
             continue
         choice, free = choices[int(b)]
-        ar_ms = entry["ar_step_ms"]
-        model = {k: tokens_per_step[k] * ar_ms / entry["step_ms"][k] for k in cell.trees if entry["step_ms"][k]}
+        modeled = model_ratios(entry, tokens_per_step)
+        model = {k: modeled[k] for k in cell.trees if modeled[k] is not None}
         entry["best_static"] = choice
         entry["paired"] = cell_record(cell, choice, free, model, settings)
         if choice is None:

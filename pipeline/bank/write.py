@@ -73,7 +73,7 @@ def build_bank(
     if paired is not None:
         nodes, tps = [t.num_nodes for t in trees], [f["tokens_per_step"] for f in figures]
         cells = measure_choices(decoder, paired.prompts,
-                                paired_candidates(batch, nodes, paired.settings.candidates), tps, paired.settings,
+                                paired_candidates(batch, nodes, tps, paired.settings), tps, paired.settings,
                                 paired.sampler, paired.progress)
         apply_paired(batch, cells, nodes, tps, paired.settings)
     fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)

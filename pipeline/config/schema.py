@@ -398,6 +398,9 @@ class BankConfig:
     # rounds of blocks AR, T1..Tn, Tn..T1, AR on the same prompts; a tree is chosen where the
     # interval of its median ratio lies above 1
     paired_candidates: int = at_least(3, 1)
+    # ... less those the step-cost model prices below this ratio to AR (its errors are ~15%; the
+    # fastest candidate is timed whatever the model says)
+    paired_model_floor: float = at_least(0.8, 0.0, 1.0)
     paired_min_rounds: int = at_least(4, 2)     # rounds every candidate gets
     paired_max_rounds: int = at_least(12, 2)    # the cap: more rounds only while an interval straddles the decision
     paired_new_tokens: int = at_least(32, 2)    # tokens per sequence of each timed block

@@ -65,6 +65,7 @@ class PairedSettings:
     """The `bank.paired_*` settings (pipeline/config/schema.py `BankConfig` says what each does)."""
 
     candidates: int = 3
+    model_floor: float = 0.8
     min_rounds: int = 4
     max_rounds: int = 12
     new_tokens: int = 32
@@ -82,8 +83,8 @@ class PairedSettings:
     @classmethod
     def from_bank_config(cls, bank: Mapping[str, Any]) -> PairedSettings:
         """From the plain `bank` config group (its `paired_*` keys)."""
-        kinds = {"candidates": int, "min_rounds": int, "max_rounds": int, "new_tokens": int, "prompts": int,
-                 "level": float}
+        kinds = {"candidates": int, "model_floor": float, "min_rounds": int, "max_rounds": int, "new_tokens": int,
+                 "prompts": int, "level": float}
         return cls(**{f: kind(bank[f"paired_{f}"]) for f, kind in kinds.items() if f"paired_{f}" in bank})
 
 
@@ -202,12 +203,17 @@ def monotone_choices(cells: Mapping[int, Cell], nodes: Sequence[int]) -> dict[in
     return out
 
 
-def candidates_at(tok_per_s: Sequence[float | None], nodes: Sequence[int], count: int) -> list[int]:
+def candidates_at(tok_per_s: Sequence[float | None], nodes: Sequence[int], count: int,
+                  model_ratio: Sequence[float | None] | None = None, floor: float = 0.0) -> list[int]:
     """The `count` trees (root-only excluded) of highest modeled batch tok/s at one batch size,
-    fastest first."""
+    fastest first, less those whose `model_ratio` to AR lies below `floor` (the step-cost model's
+    error is far smaller than such a gap): the fastest one is timed whatever the model says, so
+    that even a batch size where AR wins is decided by a measurement."""
     ranked = sorted((k for k, v in enumerate(tok_per_s) if v is not None and nodes[k] > 1),
-                    key=lambda k: (-tok_per_s[k], nodes[k]))
-    return ranked[:count]
+                    key=lambda k: (-tok_per_s[k], nodes[k]))[:count]
+    if model_ratio is None:
+        return ranked
+    return ranked[:1] + [k for k in ranked[1:] if (model_ratio[k] or 0.0) >= floor]
 
 
 def cell_record(cell: Cell, choice: int | None, unconstrained: int | None, model_ratio: Mapping[int, float],

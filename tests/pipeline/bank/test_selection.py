@@ -36,9 +36,12 @@ def cell(b: int, rounds: list[dict[int, float]]) -> Cell:
 
 
 def test_the_candidates_are_each_batch_sizes_fastest_modeled_trees() -> None:
-    got = paired_candidates(record(), NODES, 2)
+    got = paired_candidates(record(), NODES, TPS, PairedSettings(candidates=2))
     # modeled tok/s: 1.5/12, 1.9/14, 2.2/16 per ms: tree 3, then tree 2
     assert got == {1: [3, 2], 2: [3, 2], 4: [3, 2]}
+    # modeled ratios to AR 1.25, 1.36, 1.38: a floor between the last two leaves the fastest only
+    assert paired_candidates(record((1,)), NODES, TPS, PairedSettings(model_floor=1.37)) == {1: [3]}
+    assert paired_candidates(record((1,)), NODES, TPS, PairedSettings(model_floor=1.3)) == {1: [3, 2]}
 
 
 def test_paired_choices_and_their_record_go_into_the_batch_sizes_entries() -> None:

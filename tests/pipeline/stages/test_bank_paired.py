@@ -24,8 +24,8 @@ def test_the_bank_stage_times_each_batch_sizes_choice_against_batched_ar(bundle:
     # every tree timed and kept (random heads rarely pay for a tree: the hull alone is the root)
     cfg = tiny_pipeline_cfg(artifacts, data, bundle, "dynamic.enabled=false", "time.batch_sizes=[1,2]",
                             "time.prune=false", "bank.min_oracle_share=0.000001",
-                            "bank.paired_candidates=2", "bank.paired_min_rounds=2", "bank.paired_max_rounds=3",
-                            "bank.paired_new_tokens=6", "bank.paired_prompts=2")
+                            "bank.paired_candidates=2", "bank.paired_model_floor=0", "bank.paired_min_rounds=2",
+                            "bank.paired_max_rounds=3", "bank.paired_new_tokens=6", "bank.paired_prompts=2")
     graph.clear_memo()
     bank_dir = graph.run(cfg)
     doc = json.loads((bank_dir / "bank.json").read_text())

@@ -173,11 +173,20 @@ def test_the_candidates_are_the_fastest_modeled_trees_without_the_root() -> None
     assert candidates_at([100.0, 120.0, 130.0, 90.0], NODES, 2) == [2, 1]
     assert candidates_at([100.0, None, 99.0, 101.0], NODES, 3) == [3, 2]
     assert candidates_at([100.0], [1], 3) == []
+    # trees the model prices far below AR are not timed, but the fastest always is
+    assert candidates_at([100.0, 120.0, 130.0, 90.0], NODES, 3, [None, 0.9, 0.7, 0.5], floor=0.8) == [2, 1]
+    assert candidates_at([100.0, 120.0, 130.0, 90.0], NODES, 3, [None, 0.6, 0.7, 0.5], floor=0.8) == [2]
 
 
 def test_settings_are_checked_and_read_from_the_bank_config() -> None:
     got = PairedSettings.from_bank_config({"paired_candidates": 2, "paired_max_rounds": 6, "members": "oracle"})
     assert (got.candidates, got.max_rounds, got.min_rounds) == (2, 6, 4)
+    # the config schema's defaults are these settings' defaults
+    from dataclasses import asdict
+
+    from pipeline.config.schema import BankConfig
+
+    assert PairedSettings.from_bank_config(asdict(BankConfig())) == PairedSettings()
     with pytest.raises(ValueError, match="min_rounds <= max_rounds"):
         PairedSettings(min_rounds=5, max_rounds=4)
     with pytest.raises(ValueError, match="new_tokens >= 2"):
