@@ -8,7 +8,8 @@ On disk (one folder; no pickle, nothing in it is ever executed):
                        them, each batch size's candidates' paired ratios to batched AR
                        (`PAIRED_KEY`; optional), fitted policies,
                        EntMTP-dyn's fitted dynamic policy (`dynamic`: super-tree, step cost per
-                       size, calibration, where timed its paired ratio to EntMTP*; optional), oracle figures, provenance, and two seals:
+                       size, calibration, where timed its paired ratio to EntMTP*; optional),
+                       oracle figures, provenance, and two seals:
                        `buffers_sha256`/`buffers_bytes` (which tensor file belongs to this JSON)
                        and `doc_sha256` (a checksum of the JSON's own content)
   buffers.safetensors  every tree's precompiled `TreeBuffers`, prefixed `tree{k}.`
