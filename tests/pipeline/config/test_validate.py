@@ -269,8 +269,6 @@ REQUIRED = {
     "heads/published_hydra_pp": ["heads.dir={hydra_heads}"],
     "heads/published_hydra": ["heads.dir={hydra_heads}"],
     "heads/published_medusa": ["heads.dir={medusa_heads}"],
-    # dir: ??? (the drafter's folder: here a speculators config.json)
-    "heads/eagle3": ["heads.dir={eagle3_drafter}"],
 }
 
 # The launcher plugins' own config nodes (what each of our launcher files extends), for plugins this
@@ -421,7 +419,6 @@ UNSET_MESSAGE = {
     **{f"heads/published_{kind}": (f"heads.dir is required for heads.name={kind}_published (published heads, imported "
                                    "from their folder); pass heads.dir=/path/to/the/downloaded/folder")
        for kind in ("hydra_pp", "hydra", "medusa")},
-    "heads/eagle3": ("heads.dir is required for heads=eagle3: an EAGLE-3 drafter is imported from its folder"),
 }
 
 
