@@ -64,7 +64,7 @@ from torch import Tensor
 from runtime.eagle3 import (
     Eagle3Config, Eagle3Drafter, Eagle3Error, build_drafter, check_vocab_maps, default_aux_layer_ids, rope_from_hf,
 )
-from runtime.io import atomic_write_bytes
+from runtime.export.drafters import write_speculators  # noqa: F401 (the pipeline writes with the runtime's writer)
 from runtime.config import ModelArgs
 from runtime.model.llama import Transformer
 
@@ -73,7 +73,6 @@ LAYOUTS = (ORIGINAL, SPECULATORS)
 CONVENTIONS = ("vllm", "sglang")
 DEFAULT_CONVENTION = {ORIGINAL: "sglang", SPECULATORS: "vllm"}
 PREFIX = {ORIGINAL: "midlayer.", SPECULATORS: "layers.0."}
-SPECULATORS_VERSION = "0.9.0"  # the version whose layout `write_speculators` writes (and was checked against)
 
 # published layer tensor -> (our key, its rows in our fused tensor: "q", "k", "v", "gate", "up" or None)
 _LAYER_KEYS = {
@@ -400,101 +399,6 @@ def read_eagle3(folder: str | Path, target: Transformer | ModelArgs, layout: str
     if model is not None:
         drafter.bind(model)
     return drafter
-
-
-# ----------------------------------------------------------------------------------------------
-# writing the speculators layout
-
-
-def _from_ours(drafter: Eagle3Drafter, prefix: str) -> dict[str, Tensor]:
-    c = drafter.config
-    sd = {k: v.detach().cpu() for k, v in drafter.state_dict().items()}
-    q, k, v = sd["layer.attention.wqkv.weight"].split(
-        [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim])
-    gate, up = sd["layer.feed_forward.w13.weight"].split(c.intermediate_size)
-    out = {k: sd[k] for k in _TOP_KEYS}
-    out.update({prefix + "self_attn.q_proj.weight": q, prefix + "self_attn.k_proj.weight": k,
-                prefix + "self_attn.v_proj.weight": v,
-                prefix + "self_attn.o_proj.weight": sd["layer.attention.wo.weight"],
-                prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up,
-                prefix + "mlp.down_proj.weight": sd["layer.feed_forward.w2.weight"]})
-    for name in ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight"):
-        out[prefix + name] = sd[f"layer.{name}"]
-    if c.draft_vocab_size < c.vocab_size:  # speculators keeps no maps for the whole vocabulary
-        out["d2t"], out["t2d"] = sd["d2t"], sd["t2d"]
-    elif not torch.equal(sd["d2t"], torch.zeros_like(sd["d2t"])):
-        raise Eagle3Error("a drafter over the whole target vocabulary must map draft id i to target id i to be written "
-                          "in the speculators layout (it keeps no d2t then)")
-    return out
-
-
-def _hf_rope(config: Eagle3Config) -> dict[str, Any]:
-    params: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
-    if config.rope_scaling is not None:
-        params.update(config.rope_scaling)
-    return params
-
-
-def write_speculators(drafter: Eagle3Drafter, folder: str | Path, verifier_name_or_path: str | None,
-                      verifier_architectures: Sequence[str] = ("LlamaForCausalLM",), dtype: torch.dtype | None = None,
-                      speculative_tokens: int = 3, include_embeddings: bool = True) -> Path:
-    """Write `drafter` as speculators 0.9.0 writes an Eagle3DraftModel: config.json +
-    model.safetensors. Layer ids are written in the vLLM convention, which speculators uses.
-    `dtype` casts the floating weights (default: the drafter's).
-
-    `include_embeddings` (default, needs a bound drafter) also writes the target's token
-    embeddings as `embed_tokens.weight`, as speculators' own save_pretrained does: speculators
-    0.9.0's from_pretrained leaves the embeddings of a file without them uninitialised (seen with
-    transformers 5.19 and 5.25), while vLLM and this runtime share the verifier's either way. False
-    keeps the file small (the embedding table is vocabulary x hidden)."""
-    from safetensors.torch import save
-
-    c = drafter.config
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = _from_ours(drafter, PREFIX[SPECULATORS])
-    if include_embeddings:
-        if not drafter.is_bound:
-            raise Eagle3Error("write_speculators(include_embeddings=True) needs a drafter bound to its target model "
-                              "(drafter.bind(model)): the embeddings written are the target's")
-        tensors["embed_tokens.weight"] = drafter.embed(torch.arange(c.vocab_size)).detach().cpu()
-    state = {}
-    for k, v in tensors.items():
-        if v.is_floating_point() and dtype is not None:
-            v = v.to(dtype)
-        state[k] = v.contiguous()
-    float_dtype = next(v.dtype for v in state.values() if v.is_floating_point())
-    layer = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
-        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "rope_parameters": _hf_rope(c), "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
-    }
-    meta = {
-        "architectures": ["Eagle3DraftModel"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
-        },
-        "transformer_layer_config": layer,
-        "draft_vocab_size": c.draft_vocab_size,
-        "norm_before_residual": c.norm_before_residual,
-        "target_hidden_size": None,
-        "eagle_aux_hidden_state_layer_ids": ours_to_file_ids(c.aux_layer_ids, "vllm"),
-        "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
-        "tie_word_embeddings": False,
-        "dtype": str(float_dtype).removeprefix("torch."),
-    }
-    atomic_write_bytes(folder / "model.safetensors", save(state, metadata={"format": "pt"}))
-    atomic_write_bytes(folder / "config.json", (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
-    return folder
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,9 +13,7 @@ layouts, checked against their code:
   and the verifier's ``embed_tokens`` (speculators' from_pretrained leaves a file's missing
   embeddings uninitialised). vLLM detects the layout by ``speculators_model_type``
   (vllm/transformers_utils/configs/speculators/) and maps ``layers.0.`` to its layer
-  (vllm/model_executor/models/llama_eagle3.py). `write_speculators` is the same writer as
-  `pipeline.heads.eagle3_import.write_speculators` (the tests compare the files byte for byte); the
-  runtime keeps its own copy because it never imports the pipeline.
+  (vllm/model_executor/models/llama_eagle3.py). The pipeline writes this layout with this function.
 * ``eagle`` (SGLang, TensorRT-LLM): EAGLE's own layout as SpecForge writes it, a LlamaConfig with
   ``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size`` and
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention (the OUTPUT of layer

@@ -56,12 +56,7 @@ def write_drafter(drafter: Eagle3Drafter, folder: Path, layout: str, file_ids: l
     SpecForge writes it: a LlamaConfig + draft_vocab_size, `midlayer.` tensors, `file_ids` as
     `eagle_aux_hidden_state_layer_ids` when given) or "speculators" (`write_speculators`, ids in the
     vLLM convention). `embeddings`: the file also carries the target's token embeddings."""
-    from pipeline.heads.eagle3_import import (
-        ORIGINAL,
-        PREFIX,
-        _from_ours,
-        write_speculators,
-    )
+    from runtime.export.drafters import EAGLE, published_tensors, write_speculators
 
     if layout == "ours":
         return save_drafter(drafter, folder)
@@ -71,7 +66,7 @@ def write_drafter(drafter: Eagle3Drafter, folder: Path, layout: str, file_ids: l
     from safetensors.torch import save_file
 
     c = drafter.config
-    tensors = _from_ours(drafter, PREFIX[ORIGINAL])
+    tensors = published_tensors(drafter, EAGLE)
     if embeddings:
         tensors["embed_tokens.weight"] = drafter.embed(torch.arange(c.vocab_size)).detach().cpu()
     config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,

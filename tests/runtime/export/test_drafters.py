@@ -1,8 +1,6 @@
 """An EAGLE-3 drafter written in the layouts the engines load (runtime/export/drafters.py).
 
-The runtime's speculators writer writes the very files the pipeline's does
-(`pipeline.heads.eagle3_import.write_speculators`); both layouts read back, through the pipeline's
-strict importer, into the same drafter (weights and draft logits); the EAGLE layout's config is the
+Both layouts read back, through the pipeline's strict importer, into the same drafter (weights and draft logits); the EAGLE layout's config is the
 one SGLang reads (a transformers LlamaConfig whose ``architectures`` picks
 python/sglang/srt/models/llama_eagle3.py ``LlamaForCausalLMEagle3``, with ``draft_vocab_size`` and
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` in its convention). The speculators package
@@ -43,20 +41,6 @@ def _logits(drafter: Eagle3Drafter) -> torch.Tensor:
     drafter.reset()
     with torch.no_grad():
         return drafter.logits(drafter.extend(features, tokens, return_all=True))
-
-
-def test_the_runtime_writes_the_pipelines_speculators_files(tmp_path: Path) -> None:
-    from pipeline.heads.eagle3_import import write_speculators as pipeline_writer
-
-    drafter = _drafter()
-    for kw in ({}, {"dtype": torch.bfloat16, "speculative_tokens": 5, "include_embeddings": False}):
-        ours = write_speculators(drafter, tmp_path / f"ours{len(kw)}", "models/target", **kw)
-        theirs = pipeline_writer(drafter, tmp_path / f"theirs{len(kw)}", "models/target", **kw)
-        for name in ("config.json", "model.safetensors"):
-            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), (name, kw)
-    doc = json.loads((tmp_path / "ours0" / "config.json").read_text())
-    assert doc["speculators_model_type"] == "eagle3" and doc["eagle_aux_hidden_state_layer_ids"] == [1, 2]
-    assert doc["speculators_config"]["verifier"]["name_or_path"] == "models/target"
 
 
 @pytest.mark.parametrize("layout", ["speculators", "eagle"])
