@@ -30,10 +30,12 @@ def seqs(tiny_dir: Path, tmp_path_factory) -> list[dict]:
 def test_new_settings_enter_the_key_only_when_changed() -> None:
     default = TrainSettings()
     old_fields = {f.name for f in dataclasses.fields(default)} - {
-        "dtype", "sampled_continuations", "sample_temperature", "rank_loss_weight", "rank_loss_topk", "ttt_weight"}
+        "dtype", "sampled_continuations", "sample_temperature", "rank_loss_weight", "rank_loss_topk", "ttt_weight",
+        "ttt_steps", "ttt_decay", "reference_prompts", "batch_tokens", "eval_every"}
     assert set(train_key(default)) == old_fields  # the shipped heads' key is unchanged
     assert train_key(TrainSettings(rank_loss_weight=0.5))["rank_loss_weight"] == 0.5
     assert train_key(TrainSettings(ttt_weight=1.0)) != train_key(default)
+    assert train_key(TrainSettings(ttt_steps=4))["ttt_steps"] == 4
     with pytest.raises(ValueError, match="sample_temperature"):
         TrainSettings(sampled_continuations=1, sample_temperature=0.0)
 
