@@ -82,6 +82,21 @@ def _unflatten(flat: dict[str, Tensor]) -> list[dict[str, Tensor]]:
     return [{k: flat[k][a:b] for k in FEATURE_KEYS} for a, b in zip(off, off[1:])]
 
 
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices of sequences in batches of similar length, shortest first: a batch grows while its
+    padded size (count x its longest) stays within `batch_tokens` (a longer sequence goes alone)."""
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 def teacher_pass(model_dir: Path, seqs: Sequence[Sequence[int]], aux_layer_ids: Sequence[int], out_dir: Path,
                  batch_tokens: int = 4096, device: str = "cpu") -> list[dict[str, Tensor]]:
     """Teacher-forced features of every sequence (`teacher_batch`), in the order given; batches of
@@ -90,15 +105,7 @@ def teacher_pass(model_dir: Path, seqs: Sequence[Sequence[int]], aux_layer_ids: 
     from transformers import LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i]) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+    batches = length_batches([len(s) for s in seqs], batch_tokens)
     model, result = None, {}
     for bi, batch in enumerate(tqdm(batches, desc="teacher features", unit="batch")):
         shard = out_dir / f"shard-{bi:04d}.safetensors"
@@ -272,15 +279,7 @@ def train_drafter(drafter: Eagle3Drafter, train: list[dict[str, Tensor]], holdou
     against the training tokens seen)."""
     dev = drafter.device
     gen = torch.Generator().manual_seed(seed)
-    order = sorted(range(len(train)), key=lambda i: len(train[i]["tokens"]))
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(train[i]["tokens"]) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+    batches = length_batches([len(x["tokens"]) for x in train], batch_tokens)
     n_steps = max(1, round(epochs * len(batches)))
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

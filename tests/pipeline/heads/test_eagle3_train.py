@@ -10,6 +10,7 @@ import torch
 
 from pipeline.heads.eagle3_train import (
     chain_tokens_per_step,
+    length_batches,
     pad_batch,
     teacher_batch,
     train_drafter,
@@ -124,3 +125,9 @@ def test_a_short_run_learns_the_target_and_ships_without_its_output_rows(tmp_pat
     unbound = load_drafter(tmp_path / "d")
     with pytest.raises(RuntimeError, match="bind"):
         unbound.logits(torch.zeros(1, 32))
+
+
+def test_length_batches_group_similar_lengths_within_the_padded_budget() -> None:
+    assert length_batches([5, 1, 3, 9], 9) == [[1, 2], [0], [3]]
+    assert length_batches([20], 8) == [[0]]          # a longer sequence goes alone
+    assert sorted(i for b in length_batches([4, 4, 2, 7, 1], 8) for i in b) == [0, 1, 2, 3, 4]
