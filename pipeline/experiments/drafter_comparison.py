@@ -6,8 +6,8 @@ The drafters are the heads run names found under artifacts/ (rollouts, banks, ev
 heads folders: e.g. `medusa-draft8192`, `hydra-draft8192`, `eagle3`), or those `--heads` names.
 Per task it reports:
 
-1. **Replayed tokens/step on the same trees.** Greedy acceptance is a rank path (DESIGN.md section
-   4), so each drafter's calibration rollout replays any tree without running a model. A fixed set
+1. **Replayed tokens/step on the same trees.** Greedy acceptance is a rank path (README, "How it
+   works"; `pipeline.replay`), so each drafter's calibration rollout replays any tree without running a model. A fixed set
    of trees (chains of depth 1..4, Medusa's default tree mc_sim_7b_63, and every drafter bank's own
    trees) is replayed on every drafter's rollout: equal trees, so equal node counts, and a ratio
    column per (EAGLE-3, Hydra) pair of drafters (issue 51 asks >= 1.25x).

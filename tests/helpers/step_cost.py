@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.timing.step_cost import StepCostModel
+from runtime.tree import Tree
 
 STEP_NUM_HEADS = 4
 STEP_WIDTHS = [1, 2, 4, 8, 16, 32]
@@ -33,3 +34,21 @@ def synthetic_step_model(kind: str = "hydra") -> StepCostModel:
                          verify_ms=[[verify_ms(n, c) for n in rows] for c in contexts], draft_widths=widths,
                          draft_ms=[[chains_ms(d, w) for w in widths] for d in range(STEP_NUM_HEADS + 1)],
                          fixed_coef=[3.0, 0.4, 0.02])
+
+
+class LinearCosts:
+    """A stand-in for the time stage's StepCostModel with its interface (draft, verify, fixed): small
+    linear costs, for the tests of EntMTP-dyn's pricing."""
+
+    in_situ = 1.0
+    kind = "hydra"
+    verify_rows = [1, 2, 4, 8, 16, 32, 64]
+
+    def draft(self, tree: Tree) -> float:
+        return 0.1 * tree.depth
+
+    def verify(self, rows: int, context: float) -> float:
+        return 10.0 + 0.5 * rows + 0.001 * context
+
+    def fixed(self, depth: int, nodes: int) -> float:
+        return 0.3 + 0.01 * depth + 0.01 * nodes

@@ -11,27 +11,10 @@ import pytest
 from pipeline.bank.dynamic import build_dynamic, dynamic_step_ms
 from pipeline.timing.paired import DynamicCell
 from runtime.bank import TopologyBank
-from runtime.tree import Tree
+from tests.helpers.step_cost import LinearCosts
 from tests.helpers import SUPER, invariant_model, make_bank, random_prompts, scored_rollouts, tiny_heads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class Costs:
-    """A stand-in for the time stage's StepCostModel (draft, verify, fixed)."""
-
-    in_situ = 1.0
-    kind = "hydra"
-    verify_rows = [1, 2, 4, 8, 16, 32, 64]
-
-    def draft(self, tree: Tree) -> float:
-        return 0.1 * tree.depth
-
-    def verify(self, rows: int, context: float) -> float:
-        return 10.0 + 0.5 * rows + 0.001 * context
-
-    def fixed(self, depth: int, nodes: int) -> float:
-        return 0.3 + 0.01 * depth + 0.01 * nodes
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +38,11 @@ def pricer(overheads: list[float], ratios: list[float]):  # noqa: ANN201 - build
 
 def test_the_measured_overhead_is_priced_into_every_step_and_the_refit(scored, tmp_path: Path) -> None:
     rolls, scores = scored
-    plain = build_dynamic(rolls, scores, Costs(), 100.0, None)
+    plain = build_dynamic(rolls, scores, LinearCosts(), 100.0, None)
     price, calls = pricer([0.8, 0.05], [1.1, 0.9])
-    dyn = build_dynamic(rolls, scores, Costs(), 100.0, None, price=price, static_tok_per_s=50.0)
+    dyn = build_dynamic(rolls, scores, LinearCosts(), 100.0, None, price=price, static_tok_per_s=50.0)
     assert len(calls) == 2 and calls[0][0] == pytest.approx(plain["step_ms"])
-    unpriced = dynamic_step_ms(Costs(), SUPER, 100.0)
+    unpriced = dynamic_step_ms(LinearCosts(), SUPER, 100.0)
     assert dyn["step_ms"] == pytest.approx([c + 0.8 for c in unpriced]) and calls[1][0] == pytest.approx(dyn["step_ms"])
     assert dyn["replay"]["tokens_per_second"] < plain["replay"]["tokens_per_second"]   # its figures pay for it
     assert calls[1][1] == pytest.approx(dyn["replay"]["tokens_per_second"] / 50.0)
@@ -77,6 +60,6 @@ def test_the_measured_overhead_is_priced_into_every_step_and_the_refit(scored, t
 def test_a_winning_dyn_is_offered_and_a_negative_excess_prices_nothing(scored) -> None:
     rolls, scores = scored
     price, calls = pricer([-0.5, 0.0], [1.3, 1.3])
-    dyn = build_dynamic(rolls, scores, Costs(), 100.0, None, price=price, static_tok_per_s=50.0)
+    dyn = build_dynamic(rolls, scores, LinearCosts(), 100.0, None, price=price, static_tok_per_s=50.0)
     assert dyn["paired"]["priced_overhead_ms"] == 0.0 and dyn["paired"]["measured_overhead_ms"] == pytest.approx(-0.5)
-    assert dyn["step_ms"] == pytest.approx(dynamic_step_ms(Costs(), SUPER, 100.0)) and dyn["paired"]["offered"] is True
+    assert dyn["step_ms"] == pytest.approx(dynamic_step_ms(LinearCosts(), SUPER, 100.0)) and dyn["paired"]["offered"] is True

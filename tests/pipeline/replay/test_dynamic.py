@@ -19,6 +19,7 @@ from runtime.bank import BankError, TopologyBank
 from runtime.decoder import TreeDecoder
 from runtime.dynamic import DYNAMIC_TREE, Calibration, DynamicPolicy
 from runtime.tree import Tree, TreeBuffers
+from tests.helpers.step_cost import LinearCosts
 from tests.helpers import make_bank, scored_rollouts, tiny_heads, torch_threads
 from tests.helpers import ARITHMETICS, DRAFTS, GENTLE, SUPER, invariant_model, random_prompts
 
@@ -234,25 +235,8 @@ def test_the_ceiling_bounds_every_dynamic_policy_and_is_reached_by_hindsight() -
 # --- the bank -------------------------------------------------------------------------------------
 
 
-class _Costs:
-    """A stand-in for the time stage's StepCostModel with its interface (draft, verify, fixed)."""
-
-    in_situ = 1.0
-    kind = "hydra"
-    verify_rows = [1, 2, 4, 8, 16, 32, 64]
-
-    def draft(self, tree: Tree) -> float:
-        return 0.1 * tree.depth
-
-    def verify(self, rows: int, context: float) -> float:
-        return 10.0 + 0.5 * rows + 0.001 * context
-
-    def fixed(self, depth: int, nodes: int) -> float:
-        return 0.3 + 0.01 * depth + 0.01 * nodes
-
-
 def test_step_ms_and_candidates() -> None:
-    ms = dynamic_step_ms(_Costs(), SUPER, 100.0)
+    ms = dynamic_step_ms(LinearCosts(), SUPER, 100.0)
     assert len(ms) == SUPER.num_nodes and all(b > a for a, b in zip(ms, ms[1:]))
     assert ms[0] == pytest.approx(0.4 + 10.0 + 0.5 + 0.1 + 0.3 + 0.01)
     frontier = {"frontier": {"2": [{"paths": [[0]]}, {"paths": [[0], [1]]}],
@@ -268,7 +252,7 @@ def test_bank_round_trip_with_the_dynamic_policy(tmp_path: Path) -> None:
     model = invariant_model("padded")
     heads = tiny_heads(model, "hydra")
     rolls, (scores,) = scored_rollouts(model, heads, random_prompts(3), [SUPER])
-    dyn = build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, _Costs(), 100.0,
+    dyn = build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, LinearCosts(), 100.0,
                         oracle_tok_per_s=200.0)
     assert dyn is not None and dyn["replay"]["share_of_oracle"] == pytest.approx(dyn["replay"]["tokens_per_second"] / 200)
     bank = make_bank()
@@ -292,7 +276,7 @@ def test_bank_round_trip_with_the_dynamic_policy(tmp_path: Path) -> None:
     with pytest.raises(BankError, match="no EntMTP-dyn policy"):
         TopologyBank.load(tmp_path / "none").dynamic_policy()
     # a super-tree the cost model never measured that large leaves no candidate
-    small = _Costs()
+    small = LinearCosts()
     small.verify_rows = [1, 8]
     assert build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, small, 100.0, None) is None
 
@@ -309,7 +293,7 @@ def test_evaluation_has_the_dynamic_row_and_checks_its_replay() -> None:
     model = invariant_model("padded")
     heads = tiny_heads(model, "hydra")
     rolls, (scores,) = scored_rollouts(model, heads, random_prompts(3, seed=4), [SUPER])
-    dyn = build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, _Costs(), 50.0, None)
+    dyn = build_dynamic(rolls, {"super_trees": [list(SUPER.paths)], "scores": [scores]}, LinearCosts(), 50.0, None)
     bank = TopologyBank(trees=list(BANK_TREES), figures=[fake_figures(t, k) for k, t in enumerate(BANK_TREES)],
                         best_static=BEST_STATIC, policies=tiny_policies(), default_policy="hysteresis", dynamic=dyn)
     rows = [{"id": f"e{n}", "input_ids": p} for n, p in enumerate(random_prompts(3, seed=5))]
