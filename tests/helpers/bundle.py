@@ -188,3 +188,15 @@ def copy_bundle(bundle: TinyBundle, dst: Path) -> TinyBundle:
     shutil.copytree(bundle.root, dst)
     rel = lambda p: dst / p.relative_to(bundle.root)  # noqa: E731
     return TinyBundle(root=dst, model_dir=rel(bundle.model_dir), heads_dir=rel(bundle.heads_dir), bank_dir=rel(bundle.bank_dir))
+
+
+def bank_choosing(bundle: TinyBundle, dst: Path, choices: dict[int, int | None]) -> Path:
+    """A private copy of the tiny bundle whose bank chose `choices` per batch size (tree index, or
+    None for AR)."""
+    from tests.helpers.banks import batch_choices_record
+
+    own = copy_bundle(bundle, dst)
+    bank = TopologyBank.load(own.bank_dir)
+    bank.batch_schedule = batch_choices_record(bank.trees, choices)
+    bank.save(own.bank_dir)
+    return own.bank_dir

@@ -11,9 +11,9 @@ import pytest
 
 import runtime.ar
 from runtime.api import EntMTP, batch_choice
-from runtime.bank import TopologyBank
-from tests.helpers import TinyBundle, copy_bundle, make_bank
+from tests.helpers import TinyBundle, make_bank
 from tests.helpers.banks import batch_choices_record
+from tests.helpers.bundle import bank_choosing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -21,15 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CHOICES = {1: 0, 2: 2, 4: None}
 PROMPTS = ["def add(a, b):", "Hello there", "What is 2 + 3?", "Write a haiku about rain."]
 NEW_TOKENS = 6
-
-
-def bank_choosing(bundle: TinyBundle, dst: Path, choices: dict[int, int | None]) -> Path:
-    """A private copy of the tiny bundle whose bank chose `choices` per batch size."""
-    own = copy_bundle(bundle, dst)
-    bank = TopologyBank.load(own.bank_dir)
-    bank.batch_schedule = batch_choices_record(bank.trees, choices)
-    bank.save(own.bank_dir)
-    return own.bank_dir
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,17 @@ from pathlib import Path
 import pytest
 
 import runtime.check
-from runtime.bank import TopologyBank
 from runtime.check import Block, ChoiceCheck, fastest_tree, median_interval, paired_ratios, stored_ratio
 from runtime.cli import main
-from tests.helpers import TinyBundle, copy_bundle, make_bank
+from tests.helpers import TinyBundle, make_bank
 from tests.helpers.banks import batch_choices_record
+from tests.helpers.bundle import bank_choosing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHOICES = {1: 0, 2: 1, 4: None}   # a tree at B = 1 and 2, AR at B = 4 (the small trees: quick to time)
 TREES_ONLY = {1: 1, 2: 0}
 CHECK = ("--check", "--seconds", "1", "--new-tokens", "4")
-
-
-def bank_choosing(bundle: TinyBundle, dst: Path, choices: dict[int, int | None]) -> Path:
-    own = copy_bundle(bundle, dst)
-    bank = TopologyBank.load(own.bank_dir)
-    bank.batch_schedule = batch_choices_record(bank.trees, choices)
-    bank.save(own.bank_dir)
-    return own.bank_dir
 
 
 @pytest.fixture(scope="module")
