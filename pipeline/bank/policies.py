@@ -270,11 +270,14 @@ def fit_policies(
     fixed_thresholds: Sequence[float] | None = None,
     signal_costs: dict[str, float] | None = None,
     tie_tolerance: float = 0.0,
+    static_index: int | None = None,
 ) -> dict[str, Any]:
     """Fit every policy kind over the bank `trees` (ordered by size) with measured `step_costs`.
 
     tie_tolerance: the static policy is the smallest tree within this share of the best one's
     replayed tokens/s (`bank.tie_tolerance`), so a near-tie does not flip it between timings.
+    static_index: the static policy's tree when a measurement chose it (the bank's paired choice
+    at batch size 1), instead of the replayed best; the other kinds read their signal along it.
 
     signal_costs: seconds a signal adds to every step (by signal name; e.g. `greedy_path` runs the
     heads' greedy chain every step), charged to dynamic policies.
@@ -305,7 +308,12 @@ def fit_policies(
     fitter = _Fitter(data, costs, signal_costs)
     out: dict[str, Any] = {}
 
-    static = fitter.smallest_near_best([StaticPolicy(k) for k in range(data.n_trees)], tie_tolerance)
+    if static_index is None:
+        static = fitter.smallest_near_best([StaticPolicy(k) for k in range(data.n_trees)], tie_tolerance)
+    else:
+        if not 0 <= static_index < data.n_trees:
+            raise ValueError(f"static_index {static_index} is not one of the bank's {data.n_trees} trees")
+        static = (StaticPolicy(static_index), fitter.score(StaticPolicy(static_index))[1])
     out["static"] = _entry(*static)
     ref_tree = static[0].index
 
@@ -356,6 +364,7 @@ def fit_all_policies(
     rank_cap: int | None = None,
     signal_costs: dict[str, float] | None = None,
     tie_tolerance: float = 0.0,
+    static_index: int | None = None,
 ) -> dict[str, Any]:
     """What the bank stage stores: every policy kind fitted, plus the oracle.
 
@@ -389,6 +398,7 @@ def fit_all_policies(
         fixed_thresholds=cfg.get("thresholds"),
         signal_costs=signal_costs,
         tie_tolerance=tie_tolerance,
+        static_index=static_index,
     )
     policies = {
         k: {"policy": fitted[k]["policy"], "replay": {f: v for f, v in fitted[k].items() if f != "policy"}}

@@ -76,6 +76,16 @@ def build_bank(
                                 paired_candidates(batch, nodes, tps, paired.settings), tps, paired.settings,
                                 paired.sampler, paired.progress)
         apply_paired(batch, cells, nodes, tps, paired.settings)
+        # one convention at batch size 1: EntMTP* is the tree the paired rounds chose there (where
+        # they chose one), so `generate` and `generate_batch` of one prompt decode alike
+        measured = batch.get("1", {}).get("best_static")
+        if measured is not None and measured != best:
+            fitted = fit_all_policies(rollouts, [t.paths for t in trees], step_costs, policy_cfg,
+                                      signal_costs=signal_costs, static_index=measured)
+            policies = {name: f["policy"] for name, f in fitted["policies"].items()}
+            best = measured
+            if default not in policies:
+                default = "static"
     fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
     dyn = None
     if dynamic is not None:

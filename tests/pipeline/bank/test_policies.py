@@ -121,3 +121,18 @@ def test_static_policy_takes_the_smallest_tree_within_the_tie_tolerance(bank_set
     assert strict["static"]["policy"]["index"] == best
     assert tied["static"]["policy"]["index"] == want < best
     assert tied["static"]["tokens_per_second"] == pytest.approx(statics[want])
+
+
+def test_a_measured_static_tree_overrides_the_replayed_best(bank_setup) -> None:
+    """`static_index` (the bank's paired choice at batch size 1) names EntMTP*'s tree whatever the
+    replay prefers; its figures are that tree's replay, and an index outside the bank is refused."""
+    rolls, trees, costs = bank_setup
+    data = BankReplay.build(rolls, trees)
+    best = fit_policies(data, None, costs, n_quantiles=8)["static"]["policy"]["index"]
+    other = 0 if best != 0 else 1
+    fit = fit_policies(data, None, costs, n_quantiles=8, static_index=other)
+    assert fit["static"]["policy"]["index"] == other
+    assert fit["static"]["tokens_per_second"] == pytest.approx(
+        replay_policy(data, None, StaticPolicy(other), costs).tokens_per_second)
+    with pytest.raises(ValueError, match="not one of the bank"):
+        fit_policies(data, None, costs, n_quantiles=8, static_index=len(trees))

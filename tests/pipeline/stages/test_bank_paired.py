@@ -38,6 +38,9 @@ def test_the_bank_stage_times_each_batch_sizes_choice_against_batched_ar(bundle:
         assert (entry["best_static"] is None) == (not above)
         assert entry["best_static"] is None or entry["best_static"] in above
         assert all(c["model_ratio"] > 0 for c in rec["candidates"])
+    one = doc["batch_sizes"]["1"]["best_static"]
+    if one is not None:  # one convention at B = 1: EntMTP* decodes the tree the paired rounds chose
+        assert doc["best_static"] == one and doc["policies"]["static"]["index"] == one
     bank = TopologyBank.load(bank_dir)
     assert bank.batch_schedule["1"]["paired"] == doc["batch_sizes"]["1"]["paired"]
     assert "paired" in bank.summary() and len(bank.paired_lines()) == 2 + sum(
