@@ -195,7 +195,38 @@ def compare_batches(model, hydra, bank, rows: list[dict], n_new: int, batch_size
     ar_decode = df[df.method == BATCH_AR].set_index("batch_size").decode_tok_per_s
     df["decode_vs_batched_ar"] = df.decode_tok_per_s / df.batch_size.map(ar_decode)
     df.attrs["meaning"] = meaning  # what each method label decodes with
+    add_bank_intervals(df, bank)
     return df, recs
+
+
+def add_bank_intervals(df: pd.DataFrame, bank) -> None:
+    """Check the bank's paired measurement against this evaluation, on the rows of the method that
+    decodes as `generate_batch` does with no policy named (PER_BATCH): where the bank timed its
+    choice at that batch size, its median ratio to batched AR and interval (`bank_ratio`,
+    `bank_low`, `bank_high`), the measured decode ratio brought to the bank's replayed
+    tokens/step (`at_bank_tokens_per_step`: the paired ratio is a decode rate at those, so this
+    compares the step costs alone, not the eval prompts' own acceptance) and whether it lies inside
+    (`inside_bank_interval`). Where the bank chose AR, the method is batched AR itself: ratio 1."""
+    cols = {c: math.nan for c in ("bank_ratio", "bank_low", "bank_high", "at_bank_tokens_per_step")}
+    for c, v in {**cols, "inside_bank_interval": None}.items():
+        df[c] = v
+    df["inside_bank_interval"] = df["inside_bank_interval"].astype(object)
+    schedule = bank.serving_schedule()
+    for i, r in df[df.method == PER_BATCH].iterrows():
+        b = int(r.batch_size)
+        k = batch_choice(bank, b, schedule)
+        entry = bank.batch_schedule.get(str(b)) or {}
+        paired = entry.get("paired") or {}
+        cand = next((c for c in paired.get("candidates", []) if c["tree"] == k), None)
+        if k is None:
+            df.loc[i, ["bank_ratio", "bank_low", "bank_high", "at_bank_tokens_per_step"]] = [1.0, 1.0, 1.0, 1.0]
+            df.at[i, "inside_bank_interval"] = True
+        elif cand is not None:
+            scale = bank.figures[k]["tokens_per_step"] / r.tokens_per_step if r.tokens_per_step > 0 else math.nan
+            at_bank = r.decode_vs_batched_ar * scale
+            df.loc[i, ["bank_ratio", "bank_low", "bank_high", "at_bank_tokens_per_step"]] = [
+                cand["median"], cand["low"], cand["high"], at_bank]
+            df.at[i, "inside_bank_interval"] = bool(cand["low"] <= at_bank <= cand["high"])
 
 
 def batch_table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str, meaning: dict[str, str] | None = None,
@@ -219,12 +250,20 @@ def batch_table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str, meaning:
         head += f"- {label}: {words}\n"
     if meaning:
         head += "\n"
+    if "bank_ratio" in df and df.bank_ratio.notna().any():
+        head += (f"bank's interval ({PER_BATCH}): the bank's paired ratio to batched AR for its choice at that "
+                 "batch size, median [interval]; measured: this run's decode ratio at the bank's replayed "
+                 "tokens/step (the quantity the interval covers); in: inside the interval.\n\n")
     lines = ["| method | batch | decoded with | tok/s | x batched AR | decode tok/s | x batched AR (decode) | tokens/step "
-             "| identical |", "|---|---|---|---|---|---|---|---|---|"]
+             "| identical | bank's interval | measured | in |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in df.sort_values(["batch_size"], kind="stable").iterrows():
+        bank = measured = inside = ""
+        if not math.isnan(r.get("bank_ratio", math.nan)):
+            bank = f"{r.bank_ratio:.2f} [{r.bank_low:.2f}, {r.bank_high:.2f}]"
+            measured, inside = f"{r.at_bank_tokens_per_step:.2f}", "yes" if r.inside_bank_interval else "**no**"
         lines.append(f"| {r.method} | {int(r.batch_size)} | {r.decoded_with} | {r.tok_per_s:.1f} | {r.vs_batched_ar:.3f} | "
                      f"{r.decode_tok_per_s:.1f} | {r.decode_vs_batched_ar:.3f} | "
-                     f"{r.tokens_per_step:.2f} | {int(r.identical)}/{int(r.compared)} |")
+                     f"{r.tokens_per_step:.2f} | {int(r.identical)}/{int(r.compared)} | {bank} | {measured} | {inside} |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -96,6 +96,27 @@ def test_a_batch_axis_picks_the_tree_of_the_smallest_measured_batch_size_at_leas
     assert batch_choice(_bank(bundle, {"4": _entry(None, n)}), 3) is None
 
 
+def test_the_per_batch_rows_are_checked_against_the_banks_paired_interval(bundle, runtime) -> None:  # noqa: ANN001
+    """Where the bank timed its choice paired, the PER_BATCH row carries that interval and the
+    measured decode ratio at the bank's tokens/step; where it chose AR the row is AR at ratio 1."""
+    model, heads, rows = runtime
+    n = len(_bank(bundle).trees)
+    entry = _entry(1, n)
+    entry["paired"] = {"candidates": [{"tree": 1, "median": 1.1, "low": 0.01, "high": 100.0, "rounds": 4},
+                                      {"tree": 2, "median": 1.0, "low": 0.9, "high": 1.1, "rounds": 4}]}
+    narrow = _entry(1, n)
+    narrow["paired"] = {"candidates": [{"tree": 1, "median": 50.0, "low": 49.0, "high": 51.0, "rounds": 4}]}
+    bank = _bank(bundle, {"1": entry, "2": narrow, "3": _entry(None, n)})
+    df, _ = compare_batches(model, heads, bank, rows, N_NEW, SIZES)
+    per = df[df.method == PER_BATCH].set_index("batch_size")
+    assert per.loc[1, "bank_ratio"] == 1.1 and per.loc[1, "inside_bank_interval"] is True
+    want = per.loc[1, "decode_vs_batched_ar"] * bank.figures[1]["tokens_per_step"] / per.loc[1, "tokens_per_step"]
+    assert per.loc[1, "at_bank_tokens_per_step"] == pytest.approx(want)
+    assert per.loc[2, "inside_bank_interval"] is False     # a ratio of 50x is not what this run measures
+    assert per.loc[3, "bank_ratio"] == 1.0 and per.loc[3, "inside_bank_interval"] is True
+    assert df[df.method != PER_BATCH].bank_ratio.isna().all()
+
+
 def test_evaluate_batches_writes_the_table_and_plot(bundle, runtime, tmp_path) -> None:  # noqa: ANN001
     model, heads, rows = runtime
     cfg = OmegaConf.create({"task": {"name": "tiny"}, "model": {"name": "tiny-llama"}, "heads": {"name": "hydra"},
