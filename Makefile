@@ -77,7 +77,8 @@ test-slow: model
 	$(PY) -m pytest -q -m slow
 
 # The GPU check (pipeline/benchmarks/gpu/check.py) on a bare, air-gapped GPU machine: the machine's own
-# python3 and torch (no venv, no install, no model), tree-vs-AR rows, verify / draft / step costs, eager
+# python3 and torch (no venv, no install, no model), tree-vs-AR rows, verify / draft / step costs, decodes
+# vs AR token for token (fixed tree, batches of 2 and 4, EntMTP-dyn, seeded sampling, EAGLE-3), eager
 # vs CUDA graphs, for float16 and bfloat16; CPU MODE (said plainly) where there is no GPU; exit 2 where a
 # GPU is present but torch cannot use it. Writes $(GPU_CHECK_OUT)/gpu_check.json. It needs torch and
 # numpy only: pipeline.benchmarks and pipeline.benchmarks.gpu import neither hydra-core nor omegaconf.

@@ -14,14 +14,19 @@ For each dtype (float16 and bfloat16 on a GPU) it measures (`pipeline.benchmarks
   padded to 8 rows), which must agree exactly (or be refused by the model on this machine);
 * verify cost by new rows (1..128) and context; drafting cost by depth and level width;
 * the time stage's step-cost model against timed decodes of the trees;
-* eager verify forwards against CUDA-graph replays per tree (`pipeline.benchmarks.gpu.cuda_graphs`).
+* eager verify forwards against CUDA-graph replays per tree (`pipeline.benchmarks.gpu.cuda_graphs`);
+* decode: what users run, token for token against AR in `lossless: exact` on torch's path (the
+  small-row kernel off, as on a GPU): `TreeDecoder.generate` with a fixed tree (`mc_sim_7b_63` on a
+  GPU), seeded sampling (temperature 0.7), EntMTP-dyn, a random EAGLE-3 drafter, `generate_batch`
+  at batch sizes 2 and 4 (these with an 8-row tree) and the batched AR baseline; ~100-token prompts
+  and 96 new tokens on a GPU (several 64-key blocks); tokens/step and wall seconds per mode.
 
 It prints each figure, writes them all to DIR/gpu_check.json after every section (a run cut short
 still leaves what it measured), and keeps to a time budget (`--budget-s`; 400 s on a GPU, so that
 one device call of 8 minutes holds it): sections that no longer fit are skipped and listed. Exit
-status: 0 when everything ran and held, 1 when a promise broke (exact rows not bit-identical, the
-graphs' logits off) or a section failed, 2 when a GPU is present (nvidia-smi lists one, or
-/dev/nvidia0 exists) but torch cannot use it.
+status: 0 when everything ran and held, 1 when a promise broke (exact rows not bit-identical, a
+decode that leaves AR, the graphs' logits off) or a section failed, 2 when a GPU is present
+(nvidia-smi lists one, or /dev/nvidia0 exists) but torch cannot use it.
 
 Without a GPU it runs in CPU MODE: the same sections at a scaled-down shape (`cpu-small`, under a
 minute on 2 cores; `--quick`: the tiny shape, seconds), which exercises every line of the check
@@ -53,17 +58,22 @@ INVARIANT_ROWS = 8  # the schema's invariant_rows default: the padded row count 
 
 # the sizes per mode: (shape, dtypes, contexts, rows, repeats, step-model probe rounds and check
 # rounds, new tokens per timed decode, prompt tokens of the decodes, graph timing repeats, budget s,
-# contexts of the attention probe: None = its own, ~200 / 700 / 1500 placed at KEY_CHUNK boundaries)
+# contexts of the attention probe: None = its own, ~200 / 700 / 1500 placed at KEY_CHUNK boundaries;
+# the decode section's tree, prompt tokens and new tokens: past several 64-key blocks on a GPU, fewer
+# on a CPU, where a 63-row tree and a hundred tokens per mode would cost minutes)
 MODES: dict[str, dict[str, Any]] = {
     "cuda": {"shape": "vicuna-7b", "dtypes": ["float16", "bfloat16"], "contexts": [200, 700, 1500],
              "rows": [1, 2, 4, 8, 16, 32, 64, 128], "repeats": 7, "step_repeats": 3, "step_rounds": 2,
-             "new_tokens": 24, "prompt_tokens": 200, "graph_repeats": 15, "budget_s": 400, "probe_contexts": None},
+             "new_tokens": 24, "prompt_tokens": 200, "graph_repeats": 15, "budget_s": 400, "probe_contexts": None,
+             "decode_tree": "mc_sim_7b_63", "decode_prompt": 100, "decode_new": 96},
     "cpu": {"shape": "cpu-small", "dtypes": ["float32", "bfloat16"], "contexts": [200, 700, 1500],
             "rows": [1, 2, 4, 8, 16, 32, 64, 128], "repeats": 3, "step_repeats": 2, "step_rounds": 1,
-            "new_tokens": 12, "prompt_tokens": 200, "graph_repeats": 3, "budget_s": 240, "probe_contexts": None},
+            "new_tokens": 12, "prompt_tokens": 200, "graph_repeats": 3, "budget_s": 240, "probe_contexts": None,
+            "decode_tree": "chain4+siblings", "decode_prompt": 56, "decode_new": 24},
     "quick": {"shape": "tiny", "dtypes": ["float32", "bfloat16"], "contexts": [24, 90],
               "rows": [1, 2, 4, 8, 16], "repeats": 1, "step_repeats": 1, "step_rounds": 1,
-              "new_tokens": 6, "prompt_tokens": 24, "graph_repeats": 1, "budget_s": 240, "probe_contexts": [24, 90]},
+              "new_tokens": 6, "prompt_tokens": 24, "graph_repeats": 1, "budget_s": 240, "probe_contexts": [24, 90],
+              "decode_tree": "mc_sim_7b_63", "decode_prompt": 40, "decode_new": 80},
 }
 
 
@@ -171,7 +181,8 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
     dtype = getattr(torch, name)
     args = gm.SHAPES[cfg["shape"]]
     contexts, rows = cfg["contexts"], cfg["rows"]
-    span = max(contexts) + max(max(rows), 64) + 16
+    span = max(max(contexts) + max(max(rows), 64) + 16,
+               gm.decode_tokens_needed(cfg["decode_prompt"], cfg["decode_new"], cfg["decode_tree"]))
     max_seq = min(args.max_position_embeddings, -(-span // 64) * 64)
     dtype_end = time.perf_counter() + max(0.0, budget.left()) / dtypes_left
     out["skipped"], out["errors"] = [], []
@@ -286,6 +297,24 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
             say(f"    verify {e['tree']:>14} ({e['nodes']:>2} nodes) ctx {e['context']:>5}: {timing}; graph logits "
                 f"vs eager: max rel diff {e['max_rel_diff']}, argmax same {e['argmax_same']}/{e['nodes']}")
 
+    def decode_section() -> None:
+        out["decode"] = r = {}  # filled as it goes: a run cut short keeps the modes it decoded
+        gm.decode_identity(model, heads, cfg["decode_tree"], cfg["decode_prompt"], cfg["decode_new"],
+                           time.perf_counter() + 0.35 * left(), INVARIANT_ROWS, into=r)
+        if "refused" in r:
+            say(f"    decode: exact REFUSED on torch's path here: {r['refused'][:200]}")
+            return
+        say(f"    decode in {r['arithmetic']}: prompts of {r['prompt_tokens']} tokens, {r['new_tokens']} new tokens "
+            f"each; AR {r['ar_token_ms']} ms/token")
+        for m in r["modes"]:
+            verdict = "identical to AR" if m["identical"] else f"DIFFERS from AR: {m['first_mismatch']}"
+            per_step = "" if m["tokens_per_step"] is None else f", {m['tokens_per_step']} tokens/step"
+            tree = "" if m["tree"] is None else f", {m['tree']}"
+            say(f"    decode {m['mode']:<9} ({m['sequences']} seq{tree}): {verdict}{per_step}, {m['wall_s']} s")
+        for mode in r["skipped"]:
+            out["skipped"].append(f"decode {mode}: no time left in the section's share of the budget")
+            say(f"    decode {mode:<9}: SKIPPED (time budget)")
+
     def step_section() -> None:
         arith = "numerical" if exact_refused else "exact"
         gm.set_arithmetic(model, arith, INVARIANT_ROWS)
@@ -322,6 +351,7 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
         guarded("attention_probe", probe_section)
         guarded("verify_cost", verify_section)
         guarded("draft_cost", draft_section)
+        guarded("decode", decode_section)
     guarded("cuda_graphs", graphs_section)
     guarded("step_model", step_section)
     estimate = gm.graph_step_estimate(out.get("step_model"), out.get("cuda_graphs"))
@@ -331,7 +361,7 @@ def run_dtype(name: str, cfg: dict[str, Any], device: Any, budget: Any, dtypes_l
             say(f"    step with graph {e['tree']:>14}: timed {e['step_ms']} ms, verify eager {e['verify_eager_ms']} ms -> "
                 f"graph {e['verify_graph_ms']} ms: about {e['step_with_graph_ms']} ms ({e['speedup']}x; estimated)")
     out["failures"] = gm.failures_of(out.get("row_agreement", {}), out.get("cuda_graphs", {}), dtype,
-                                     out.get("attention_probe"))
+                                     out.get("attention_probe"), out.get("decode"))
     del model, heads
     gc.collect()
     if device.type == "cuda":
@@ -359,7 +389,7 @@ def _run_dtypes(cfg: dict[str, Any], device: Any, budget: Any, sections: set[str
         report.write()
 
 
-SECTIONS = ("row_agreement", "attention_probe", "verify_cost", "draft_cost", "cuda_graphs", "step_model")
+SECTIONS = ("row_agreement", "attention_probe", "verify_cost", "draft_cost", "decode", "cuda_graphs", "step_model")
 
 
 def main(argv: list[str] | None = None, assume_gpu: bool | None = None) -> int:
@@ -444,6 +474,8 @@ def main(argv: list[str] | None = None, assume_gpu: bool | None = None) -> int:
                 if r.get("exact_refused")]
     warnings += [f"{d}: attention probe: exact refused: {r['attention_probe']['refused']}"
                  for d, r in doc["dtypes"].items() if "refused" in r.get("attention_probe", {})]
+    warnings += [f"{d}: decode: exact refused on torch's path: {r['decode']['refused']}"
+                 for d, r in doc["dtypes"].items() if "refused" in r.get("decode", {})]
     doc.update(failures=failures, skipped=skipped, warnings=warnings,
                elapsed_s=round(time.perf_counter() - t_start, 1), verdict="FAIL" if failures else "OK")
     report.write()

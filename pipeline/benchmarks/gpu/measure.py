@@ -10,7 +10,9 @@ Sections (each a function returning a JSON-ready dict):
 * `verify_cost`: one verify forward by new rows and context;
 * `draft_cost`: the heads' drafting (`propose`) by depth and level width;
 * `step_model`: the time stage's step-cost model and its check against timed decodes of trees;
-* `graph_timing`: eager verify forwards against CUDA-graph replays (`pipeline.benchmarks.gpu.cuda_graphs`).
+* `graph_timing`: eager verify forwards against CUDA-graph replays (`pipeline.benchmarks.gpu.cuda_graphs`);
+* `decode_identity`: the decodes users run (a fixed tree, batches of 2 and 4, EntMTP-dyn, seeded
+  sampling, an EAGLE-3 drafter) token for token against AR, in `lossless: exact` on torch's path.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,8 @@ from pipeline.paths import REPO_ROOT
 from runtime.device import clock
 from runtime.heads import DraftHeads, HeadsConfig
 from runtime.config import ModelArgs
-from runtime.model.llama import Transformer
+from runtime.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from runtime.model.llama import Linear, Transformer
 from runtime.tree import Tree, TreeBuffers
 
 # The shapes the check runs at. vicuna-7b: Vicuna-7B v1.3 (Llama-1 7B), the paper's model. The
@@ -438,6 +442,178 @@ def graph_timing(model: Transformer, trees: dict[str, Tree], contexts: Sequence[
     return out
 
 
+# -- decoding against AR ----------------------------------------------------------------------------
+
+# a chain of 4 with a rank-1 sibling at each of the first three depths: 8 rows with the root, one
+# padded block of the row-invariant forward (where a 63-row tree costs eight blocks' products a step)
+CHAIN_SIBLINGS = Tree([(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)])
+# EntMTP-dyn's super-tree for the check: 10 rows with the root; each step verifies a subset of it
+DYNAMIC_SUPER_TREE = Tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)])
+DECODE_MODES = ("tree", "sampling", "dynamic", "eagle3", "batch2", "batch4", "ar_batch4")
+DECODE_PROMPTS = 4   # prompts of prompt_tokens + 3k tokens, k = 0..3 (unequal lengths: a batch's rows differ)
+SAMPLING_SEED = 3
+
+
+def decode_trees() -> dict[str, Tree]:
+    """The fixed trees a decode check may name (`decode_identity`'s `tree`)."""
+    return {"mc_sim_7b_63": Tree.named("mc_sim_7b_63"), "chain4+siblings": CHAIN_SIBLINGS}
+
+
+@contextmanager
+def torch_path(model: Transformer) -> Iterator[None]:
+    """`model` on torch's own products while inside (no small-row kernel, no CPU float32 weight
+    copies: the path a GPU runs), then back on the fast paths it had. A no-op where it had none."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kernel = model.kernel_decode
+    had = any(m.weight_packed is not None or m.weight_t is not None for m in linears)
+    if had:
+        model.add_fast_paths(kernel=False)  # the kernel off everywhere (norms and attention too)
+        for m in linears:
+            m.weight_t = None  # and the products F.linear's, as without fast paths
+    try:
+        yield
+    finally:
+        if had:
+            model.add_fast_paths(kernel=kernel)
+
+
+def random_eagle3(model: Transformer, seed: int = 2, draft_vocab: int | None = None) -> Eagle3Drafter:
+    """An EAGLE-3 drafter of one target-shaped layer with N(0, 0.02) weights (unit norms) and a random
+    draft vocabulary (a quarter of the target's), in the model's dtype and device, bound to it. EAGLE's
+    default aux layers where the target has 7 or more, else its first three (or two)."""
+    n_layers = model.args.n_layers
+    aux = default_aux_layer_ids(n_layers) if n_layers >= 7 else tuple(range(min(3, n_layers)))
+    vocab = model.args.vocab_size
+    cfg = Eagle3Config.for_model(model.args, draft_vocab_size=draft_vocab or max(1, vocab // 4), aux_layer_ids=aux)
+    with torch.device(model.device):
+        drafter = Eagle3Drafter(cfg)
+    drafter = drafter.to(model.dtype)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[: cfg.draft_vocab_size]
+    drafter.set_draft_vocab(ids.sort().values)
+    drafter.bind(model)
+    return drafter.eval().requires_grad_(False)
+
+
+def _first_mismatch(got: list[list[int]], want: list[list[int]]) -> dict[str, Any] | None:
+    """Where the decoded sequences first leave AR's (None: every one is identical)."""
+    for k, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            i = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            return {"sequence": k, "position": i, "got": g[i] if i < len(g) else None,
+                    "ar": w[i] if i < len(w) else None, "got_len": len(g), "ar_len": len(w)}
+    return None
+
+
+def decode_tokens_needed(prompt_tokens: int, new_tokens: int, tree: str) -> int:
+    """KV-cache positions `decode_identity` needs (the longest prompt, its tokens, the largest tree)."""
+    nodes = max(decode_trees()[tree].num_nodes, CHAIN_SIBLINGS.num_nodes, DYNAMIC_SUPER_TREE.num_nodes)
+    return prompt_tokens + 3 * (DECODE_PROMPTS - 1) + new_tokens + nodes
+
+
+@torch.inference_mode()
+def decode_identity(model: Transformer, heads: DraftHeads, tree: str, prompt_tokens: int, new_tokens: int,
+                    deadline: float, rows: int = 8, modes: Sequence[str] = DECODE_MODES,
+                    acceptance: str | dict = "exact", into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What users run, token for token against AR, in `lossless: exact` (row-invariant, padded to
+    `rows`) on torch's path (`torch_path`: the small-row kernel off, as on a GPU): per mode, the
+    decode of random prompts of ~`prompt_tokens` tokens, `new_tokens` new tokens each (no EOS), and
+    whether every sequence equals its AR continuation:
+    * tree: `TreeDecoder.generate` with the fixed tree `tree` (a `decode_trees` name);
+    * sampling: seeded sampling (temperature 0.7) against seeded AR;
+    * dynamic: EntMTP-dyn (`DynamicPolicy` over `DYNAMIC_SUPER_TREE`);
+    * eagle3: a random EAGLE-3 drafter (`random_eagle3`);
+    * batch2 / batch4: `generate_batch` of 2 and 4 prompts, each sequence against its own AR;
+    * ar_batch4: the batched AR baseline (`ar_generate_batch`) against AR.
+    The modes after `tree` decode with `CHAIN_SIBLINGS` (one 8-row block: a 63-row tree costs eight
+    blocks' products per step in this arithmetic). Random drafters rarely hit: identity is what
+    counts; tokens/step and wall seconds are recorded. Modes still to run past `deadline`
+    (perf_counter) are listed in "skipped". `acceptance`: the decoder's (a lossy one is how a broken
+    decode shows). `into`: the dict to fill as it goes (a run cut short keeps what it decoded);
+    returned, {"refused": why} where this machine refuses the row-invariant arithmetic."""
+    from runtime.ar import ar_generate, ar_generate_batch
+    from runtime.config import SamplingConfig
+    from runtime.decoder import TreeDecoder
+    from runtime.dynamic import DynamicPolicy
+    from runtime.sampling import Sampler
+
+    unknown = [m for m in modes if m not in DECODE_MODES]
+    if unknown:
+        raise ValueError(f"unknown decode modes {unknown}: choose from {', '.join(DECODE_MODES)}")
+    vocab = model.args.vocab_size
+    prompts = [random_ids(prompt_tokens + 3 * k, vocab, 100 + k, torch.device("cpu")).tolist()
+               for k in range(DECODE_PROMPTS)]
+    small = "chain4+siblings"  # CHAIN_SIBLINGS, by its name in decode_trees
+    bufs = [TreeBuffers.compile(decode_trees()[tree]), TreeBuffers.compile(CHAIN_SIBLINGS)]
+    out = {} if into is None else into
+    out.update({"arithmetic": f"exact (row-invariant, {rows}-row blocks; torch's products)", "tree": tree,
+                "prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens, "modes": [], "skipped": []})
+    with torch_path(model):
+        refused = set_arithmetic(model, "exact", rows)
+        if refused:
+            out.clear()
+            out["refused"] = refused
+            return out
+        try:
+            t0 = time.perf_counter()
+            ar = [ar_generate(model, p, new_tokens, eos_ids=()) for p in prompts]
+            out["ar_s"] = sig(time.perf_counter() - t0, 3)
+            out["ar_token_ms"] = sig(1e3 * (time.perf_counter() - t0) / (len(prompts) * new_tokens), 3)
+            decoder = TreeDecoder(model, heads, bufs, acceptance=acceptance)
+
+            def sampler() -> Sampler:
+                return Sampler(SamplingConfig(temperature=0.7, seed=SAMPLING_SEED))
+
+            def run(mode: str) -> tuple[str | None, list[list[int]], list[list[int]], list[Any]]:
+                """(the tree, decoded, AR's, generation results) of one mode."""
+                if mode == "tree":
+                    res = decoder.generate(prompts[0], new_tokens, choose=0, eos_ids=())
+                    return tree, [res.tokens], ar[:1], [res]
+                if mode == "sampling":
+                    want = ar_generate(model, prompts[1], new_tokens, eos_ids=(), sampler=sampler())
+                    res = decoder.generate(prompts[1], new_tokens, choose=1, eos_ids=(), sampler=sampler())
+                    return small, [res.tokens], [want], [res]
+                if mode == "dynamic":
+                    costs = [1.0 + 0.05 * n for n in range(DYNAMIC_SUPER_TREE.num_nodes)]
+                    res = decoder.generate(prompts[2], new_tokens, choose=DynamicPolicy(DYNAMIC_SUPER_TREE, costs),
+                                           eos_ids=())
+                    return f"{DYNAMIC_SUPER_TREE.num_nodes}-node super-tree", [res.tokens], ar[2:3], [res]
+                if mode == "eagle3":
+                    eagle = TreeDecoder(model, random_eagle3(model), bufs[1:], acceptance=acceptance)
+                    res = eagle.generate(prompts[3], new_tokens, eos_ids=())
+                    return small, [res.tokens], ar[3:4], [res]
+                if mode in ("batch2", "batch4"):
+                    n = int(mode[-1])
+                    batch = decoder.generate_batch(prompts[:n], new_tokens, choose=1, eos_ids=())
+                    return small, [r.tokens for r in batch], ar[:n], batch
+                return None, ar_generate_batch(model, prompts, new_tokens, eos_ids=()), ar, []
+
+            for mode in modes:
+                if time.perf_counter() > deadline:
+                    out["skipped"].append(mode)
+                    continue
+                t0 = time.perf_counter()
+                tree_name, got, want, results = run(mode)
+                seconds = time.perf_counter() - t0
+                per_step = [r.tokens_per_step for r in results]
+                mismatch = _first_mismatch(got, want)
+                out["modes"].append({
+                    "mode": mode, "tree": tree_name, "sequences": len(got), "identical": mismatch is None,
+                    "first_mismatch": mismatch, "wall_s": sig(seconds, 3),
+                    "tokens_per_step": sig(statistics.mean(per_step), 3) if per_step else None,
+                    "steps": sum(len(r.steps) for r in results) if results else None})
+        finally:
+            model.set_row_invariance(None)
+            model.reset_cache()
+    return out
+
+
 def graph_step_estimate(step: dict[str, Any] | None, graphs: dict[str, Any] | None) -> dict[str, Any] | None:
     """What a decoding step would cost with its verify forward replayed as a CUDA graph, per tree:
     the timed step (`step_model`, in its arithmetic) minus that arithmetic's eager verify plus the
@@ -467,13 +643,18 @@ def graph_step_estimate(step: dict[str, Any] | None, graphs: dict[str, Any] | No
 
 
 def failures_of(rows: dict[str, Any], graphs: dict[str, Any], dtype: torch.dtype,
-                probe: dict[str, Any] | None = None) -> list[str]:
+                probe: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> list[str]:
     """What in a dtype's results breaks a promise: the row-invariant arithmetic's rows must equal
     AR's bit for bit (what `lossless: exact` rests on), in the whole model and in the attention
-    probe (`pipeline.timing.invariance.invariance_probe`); the graphs' forward must compute
-    what the eager forward computes up to rounding (a wrong mask or position gives differences of
-    the logits' own size)."""
+    probe (`pipeline.timing.invariance.invariance_probe`); every decode mode must emit AR's tokens
+    (`decode_identity`); the graphs' forward must compute what the eager forward computes up to
+    rounding (a wrong mask or position gives differences of the logits' own size)."""
     bad = []
+    for m in (decode or {}).get("modes", []):
+        if not m["identical"]:
+            w = m["first_mismatch"]
+            bad.append(f"decode {m['mode']}: sequence {w['sequence']} leaves AR at new token {w['position']} "
+                       f"(decoded {w['got']}, AR {w['ar']}; {w['got_len']} vs {w['ar_len']} tokens)")
     for r in (probe or {}).get("results", []):
         if r["identical_rows"] != r["nodes"]:
             bad.append(f"attention probe (exact): {r['shape']} {r['tree']} at context {r['context']}: only "

@@ -1,7 +1,8 @@
 """The prepared GPU check (`make gpu-check`): its CPU mode runs end to end and says it is no GPU
 result; a GPU that torch cannot use fails it (exit 2); it imports nothing a bare GPU image lacks
-(hydra-core and omegaconf included); the CUDA graphs' static forward computes what the
-model's forward computes, and the graphs themselves refuse a CPU with a reason."""
+(hydra-core and omegaconf included); its decodes equal AR, and a decode that leaves AR fails it;
+the CUDA graphs' static forward computes what the model's forward computes, and the graphs
+themselves refuse a CPU with a reason."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from pipeline.benchmarks.gpu import check as gpu_check
+from pipeline.benchmarks.gpu import measure as gm
 from pipeline.benchmarks.gpu.measure import branchy_tree, check_trees, wide_tree
 from pipeline.benchmarks.gpu.cuda_graphs import GraphsUnavailable, VerifyGraphs, static_verify, unavailable_reason
 from runtime.tree import Tree, TreeBuffers
@@ -20,11 +22,12 @@ from tests.helpers import REPO, python_exe, subprocess_env, tiny_model, torch_th
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible: the check would run for real")
 
-SECTIONS = ("row_agreement", "attention_probe", "verify_cost", "draft_cost", "cuda_graphs", "step_model")
+SECTIONS = ("row_agreement", "attention_probe", "verify_cost", "draft_cost", "decode", "cuda_graphs", "step_model")
 
 
 def _check_cpu_report(doc: dict, shape: str, contexts: list[int], rows: list[int]) -> None:
     assert doc["mode"] == "cpu" and doc["shape"] == shape and doc["verdict"] == "OK", doc.get("failures")
+    settings = doc["settings"]
     assert "CPU MODE" in doc["note"] and "NOTHING about a GPU" in doc["note"]
     assert doc["failures"] == [] and doc["skipped"] == []
     assert set(doc["dtypes"]) == {"float32", "bfloat16"}
@@ -53,6 +56,18 @@ def _check_cpu_report(doc: dict, shape: str, contexts: list[int], rows: list[int
         graphs = res["cuda_graphs"]
         assert graphs["available"] is False and "CUDA" in graphs["unavailable"]
         assert graphs["entries"] and all(e["max_rel_diff"] is not None and e["eager_ms"] > 0 for e in graphs["entries"])
+        # every decode mode ran on torch's path, in the row-invariant arithmetic, and equals AR
+        dec = res["decode"]
+        assert "exact" in dec["arithmetic"] and dec["tree"] == settings["decode_tree"]
+        assert dec["new_tokens"] == settings["decode_new"] and dec["skipped"] == []
+        assert dec["prompt_tokens"][0] == settings["decode_prompt"]
+        assert [m["mode"] for m in dec["modes"]] == list(gm.DECODE_MODES)
+        assert dec["modes"][0]["tree"] == settings["decode_tree"]
+        for m in dec["modes"]:
+            assert m["identical"] is True and m["first_mismatch"] is None, (name, m)
+            assert m["sequences"] == {"batch2": 2, "batch4": 4, "ar_batch4": 4}.get(m["mode"], 1)
+            assert m["wall_s"] > 0
+            assert m["mode"] == "ar_batch4" or m["tokens_per_step"] >= 1.0
         sm = res["step_model"]
         assert sm["arithmetic"] == "exact" and sm["model"]["verify_ms"]
         assert {e["tree"] for e in sm["trees"]} >= {"chain4", "mc_sim_7b_63"}
@@ -76,6 +91,32 @@ def test_full_cpu_mode_runs_end_to_end(tmp_path: Path) -> None:
     assert gpu_check.main(["--out", str(tmp_path / "r.json")], assume_gpu=False) == 0
     doc = json.loads((tmp_path / "r.json").read_text())
     _check_cpu_report(doc, "cpu-small", [200, 700, 1500], [1, 2, 4, 8, 16, 32, 64, 128])
+
+
+def test_a_decode_that_leaves_ar_is_a_failure() -> None:
+    """The decode section on a decoder that is not lossless (typical acceptance that takes every
+    draft: the random heads' tokens, not AR's) reports where it leaves AR, and that is a failure;
+    the model is back on its fast paths (the small-row kernel) after the section's torch path."""
+    model = gm.random_model(gm.SHAPES["tiny"], torch.float32, "cpu", 128)
+    heads = gm.random_heads(model)
+    kernel = model.kernel_decode
+    with torch_threads(1):
+        res = gm.decode_identity(model, heads, "chain4+siblings", 20, 12, deadline=float("inf"),
+                                 modes=("tree", "batch2"), acceptance={"kind": "typical", "epsilon": 0.0,
+                                                                      "alpha": 0.0})
+    assert model.kernel_decode == kernel and model.invariant_rows is None
+    assert [m["mode"] for m in res["modes"]] == ["tree", "batch2"] and res["skipped"] == []
+    for m in res["modes"]:
+        assert m["identical"] is False and m["first_mismatch"]["position"] < 12, m
+        assert m["tokens_per_step"] > 1.5  # every draft accepted
+    bad = gm.failures_of({}, {}, torch.float32, decode=res)
+    assert len(bad) == 2 and bad[0].startswith("decode tree: sequence 0 leaves AR at new token")
+    # past its deadline the section runs no more modes and says which it left
+    with torch_threads(1):
+        late = gm.decode_identity(model, heads, "chain4+siblings", 20, 4, deadline=0.0, modes=("tree", "eagle3"))
+    assert late["modes"] == [] and late["skipped"] == ["tree", "eagle3"]
+    with pytest.raises(ValueError, match="unknown decode modes"):
+        gm.decode_identity(model, heads, "chain4+siblings", 20, 4, deadline=0.0, modes=("beam",))
 
 
 @no_cuda
