@@ -476,10 +476,13 @@ def convert_eagle3(src: Path, model_dir: Path, out: Path, layout: str, aux_conve
 
 
 def _file_has_embeddings(path: Path) -> bool:
-    """Whether a weights file holds `embed_tokens.weight` (read from the safetensors header; a .bin is
-    assumed to, the check then reads the model's embeddings)."""
+    """Whether a weights file holds `embed_tokens.weight` (read from the safetensors header; a .bin's
+    keys through a memory-mapped, weights-only load that reads no tensor data)."""
     if path.suffix != ".safetensors":
-        return True
+        try:
+            return "embed_tokens.weight" in torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - whatever torch raises on a corrupt file, said plainly
+            raise Eagle3Error(f"{path} is not a readable PyTorch weights file: {e}") from e
     from safetensors import SafetensorError, safe_open
 
     try:

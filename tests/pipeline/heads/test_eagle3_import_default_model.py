@@ -57,7 +57,23 @@ def test_an_intact_drafter_for_the_default_model_imports(drafter: Eagle3Drafter,
     assert isinstance(loaded, Eagle3Drafter) and loaded.config == drafter.config
     assert loaded.aux_layer_ids == (2, 15, 27) and loaded.config.hidden_size == 576
     assert torch.equal(loaded.target_ids(), drafter.target_ids())
-    assert json.loads((out / "manifest.json").read_text())["summary"]["layout"] == layout
+    summary = json.loads((out / "manifest.json").read_text())["summary"]
+    assert summary["layout"] == layout
+    from safetensors import safe_open
+
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        carries = "embed_tokens.weight" in f.keys()  # noqa: SIM118 (safe_open is not a dict)
+    assert summary["base_embeddings_checked"] == carries
+
+
+def test_a_pytorch_bin_says_whether_it_carries_embeddings(tmp_path: Path) -> None:
+    """The manifest's `base_embeddings_checked` is true only where the file held embeddings to check."""
+    from pipeline.heads.eagle3_import import _file_has_embeddings
+
+    torch.save({"fc.weight": torch.zeros(2, 2)}, tmp_path / "without.bin")
+    torch.save({"fc.weight": torch.zeros(2, 2), "embed_tokens.weight": torch.zeros(3, 2)}, tmp_path / "with.bin")
+    assert not _file_has_embeddings(tmp_path / "without.bin")
+    assert _file_has_embeddings(tmp_path / "with.bin")
 
 
 def _layer(cfg: dict, layout: str) -> dict:
