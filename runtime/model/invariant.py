@@ -63,8 +63,8 @@ def _call_matches_blocks(fn: nn.Module, x: Tensor, rows: int, width: int) -> boo
         probe = torch.randn(width, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
         with torch.no_grad():
             whole = fn(probe)
-            if width == rows:
-                ok = bool(torch.equal(fn(probe.roll(1, 0)), whole.roll(1, 0)))
+            if width == rows:  # every place in the block, not one shift: a kernel may treat each tile edge apart
+                ok = all(torch.equal(fn(probe.roll(k, 0)), whole.roll(k, 0)) for k in range(1, rows))
                 if not ok:
                     raise RuntimeError(
                         f"row invariance with blocks of {rows} rows is impossible here: this machine's "
@@ -73,6 +73,28 @@ def _call_matches_blocks(fn: nn.Module, x: Tensor, rows: int, width: int) -> boo
             else:
                 ok = bool(torch.equal(whole, torch.cat([fn(probe[i:i + rows]) for i in range(0, width, rows)])))
         _CALL_MATCHES_BLOCKS[key] = ok
+    return ok
+
+
+# (norm shape, dtype, device type, rows) -> whether `_norm_rows_match` held
+_NORM_MATCHES: dict[tuple, bool] = {}
+
+
+def _norm_rows_match(norm: nn.Module, dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+    """Whether a per-row norm (RMSNorm: the forward runs it over all of a call's rows at once, not in
+    row blocks) gives every row the same bits whatever the call's row count (1 .. 4 blocks of
+    `rows`) and wherever the row sits in it (every place of a padded block). Probed once per shape."""
+    dim = norm.weight.shape[0]
+    key = (dim, dtype, device.type, rows)
+    ok = _NORM_MATCHES.get(key)
+    if ok is None:
+        g = torch.Generator(device=device).manual_seed(rows)
+        x = torch.randn(4 * rows, dim, generator=g, device=device).to(dtype)
+        with torch.no_grad():
+            alone = torch.cat([norm(x[i:i + 1]) for i in range(x.shape[0])])
+            ok = all(torch.equal(norm(x[:n]), alone[:n]) for n in range(2, 4 * rows + 1))
+            ok = ok and all(torch.equal(norm(x[:rows].roll(k, 0)), alone[:rows].roll(k, 0)) for k in range(rows))
+        _NORM_MATCHES[key] = ok
     return ok
 
 
@@ -165,6 +187,13 @@ class RowPlan:
     offsets: Tensor | None = None
     slots: Tensor | None = None
     longest: int = 0
+    # the blocked encoding (`InvariantAttention._attend_blocked`, EXACT_ATTENTION = "blocked"):
+    # `shared_blocks` KEY_BLOCK-key blocks of committed slots that every row reads in place, then per
+    # row `block_slots` [rows, tail blocks * KEY_BLOCK] the slots of its later keys in logical order
+    # from position shared_blocks * KEY_BLOCK on (0 where masked) and `block_masked` which hold none
+    shared_blocks: int = 0
+    block_slots: Tensor | None = None
+    block_masked: Tensor | None = None
     # working tensors shared by the layers of one forward (made by the first layer)
     scratch: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
@@ -216,6 +245,8 @@ def row_plan(start: int, ancestors: list[list[int]], device: torch.device, block
     `runtime.model.small_rows.attention` instead of torch's products."""
     device = torch.device(device)
     group = 1 if kernel else ATTENTION_ROWS.get(device.type, block)
+    if not kernel and EXACT_ATTENTION == "blocked":
+        return _blocked_plan(start, ancestors, device, block, group)
     shape = (tuple(map(tuple, ancestors)), str(device), kernel, group)
     rel = _ROW_GROUPS.get(shape)
     if rel is None:
@@ -243,6 +274,74 @@ def row_plan(start: int, ancestors: list[list[int]], device: torch.device, block
                    head_chunks=chunks, masked=masked)
 
 
+# ----------------------------------------------------------------------------------------------
+# Exact attention over position-keyed key blocks (the default; see `InvariantAttention._attend_blocked`)
+
+# Which exact attention the torch path runs: "blocked" (`_attend_blocked`: keys read in the compute
+# dtype, the committed cache in place, no depth limit) or "chunked" (`_attend_chunked`, the older
+# design: every key copied to float32 per layer and step, tokens at most KEY_CHUNK - 1 deep).
+EXACT_ATTENTION = "blocked"
+# Keys per block of the blocked attention: block b holds logical positions [b*KEY_BLOCK, (b+1)*KEY_BLOCK)
+# of every row, whatever the context, the row count or where the keys sit in the cache.
+KEY_BLOCK = 64
+
+# (ancestor lists, first new position modulo KEY_BLOCK, device) -> (tail slots relative to the first
+# new slot, masked places): built once per tree and offset, so a step copies nothing to the device
+_BLOCK_LAYOUTS: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _block_layout(ancestors: list[list[int]], offset: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The per-row part of a blocked plan: each row's keys from the first block that holds a new
+    token (it starts `offset` committed keys before the first new slot) to its last block, as
+    slots relative to the first new slot ([rows, tail blocks * KEY_BLOCK]; a masked place: 0), and
+    which places hold no key of the row."""
+    longest = max(len(a) for a in ancestors)
+    width = -(-(offset + longest) // KEY_BLOCK) * KEY_BLOCK
+    rel, masked = [], []
+    for a in ancestors:
+        row = list(range(-offset, 0)) + list(a)
+        masked.append([False] * len(row) + [True] * (width - len(row)))
+        rel.append(row + [0] * (width - len(row)))
+    return (torch.tensor(rel, dtype=torch.long, device=device), torch.tensor(masked, dtype=torch.bool, device=device))
+
+
+def _blocked_plan(start: int, ancestors: list[list[int]], device: torch.device, block: int, group: int) -> RowPlan:
+    offset = start % KEY_BLOCK
+    key = (tuple(map(tuple, ancestors)), offset, str(device))
+    layout = _BLOCK_LAYOUTS.get(key)
+    if layout is None:
+        layout = _BLOCK_LAYOUTS[key] = _block_layout(ancestors, offset, device)
+    rel, masked = layout
+    return RowPlan(write_at=start, real=len(ancestors), block=block, group=group, shared_blocks=start // KEY_BLOCK,
+                   block_slots=(rel + start).clamp_(min=0), block_masked=masked)
+
+
+def _block_products(left: Tensor, right: Tensor) -> Tensor:
+    """Every (group of rows, KV head, key block) product of left [kvh, groups, blocks, m, k] (one
+    operand per KV head, group and block; an expanded view where the blocks share it) and right
+    [kvh, blocks, k, n] (one per KV head and block: views of the cache): [groups, kvh, blocks, m, n].
+    Each is one [m, k] x [k, n] product whatever the counts; they run batched over whichever of
+    groups, KV heads or blocks leaves the fewest calls (bmm takes one batch dimension, and the
+    cache's blocks and heads lie at two strides)."""
+    kvh, groups, blocks, m, k = left.shape
+    n = right.shape[3]
+    out = left.new_empty(groups, kvh, blocks, m, n)
+    by_group, by_block, by_head = kvh * blocks, groups * kvh, groups * blocks
+    if by_group <= min(by_block, by_head):
+        for j in range(kvh):
+            for b in range(blocks):
+                out[:, j, b] = torch.bmm(left[j, :, b], right[j, b].expand(groups, k, n))
+    elif by_block <= by_head:
+        for i in range(groups):
+            for j in range(kvh):
+                out[i, j] = torch.bmm(left[j, i], right[j])
+    else:
+        for i in range(groups):
+            for b in range(blocks):
+                out[i, :, b] = torch.bmm(left[:, i, b], right[:, b])
+    return out
+
+
 class InvariantAttention:
     """`Attention`'s row-invariant forward and the attention it runs (see `RowPlan`); mixed into
     `runtime.model.llama.Attention`, whose wqkv, wo, n_heads, n_kv_heads and head_dim it uses."""
@@ -267,6 +366,8 @@ class InvariantAttention:
         if plan.slots is not None:  # the small-row kernel reads each row's slots in place
             return small_rows.attention(q, kv[0], kv[1], plan.write_at, plan.offsets, plan.slots, plan.longest,
                                         1.0 / math.sqrt(self.head_dim))
+        if plan.block_slots is not None:
+            return self._attend_blocked(q, kv, plan)
         return self._attend_chunked(q, kv, plan)
 
     def _attend_chunked(self, q: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
@@ -307,6 +408,68 @@ class InvariantAttention:
         else:  # total [groups, kvh, group*g, hd + 1]
             res = (total[..., :hd] / total[..., hd:]).view(groups, kvh, group, g, hd).transpose(1, 2)
             result[:real] = res.reshape(padded, h, hd)[:real]
+        return result
+
+    def _attend_blocked(self, q: Tensor, kv: Tensor, plan: RowPlan) -> Tensor:
+        """`_attend` in torch's products over position-keyed key blocks (KEY_BLOCK), row- and
+        batch-invariant by construction, reading the keys and values in the cache's dtype.
+
+        A row's keys in logical order (committed prefix, then its ancestors, itself last) are cut
+        into blocks by logical position alone. Blocks wholly inside the committed prefix are read
+        in place (shared by the sequence's rows); the others are gathered per row. Every block is
+        one [group*g, head_dim] x [head_dim, KEY_BLOCK] product for the scores and one
+        [group*g, KEY_BLOCK] x [KEY_BLOCK, head_dim] for the weighted values (group = the plan's
+        rows per product; a gathered block's product holds its row at the row's own place), so a
+        product's shape never follows the row count, the context length or the batch. The softmax
+        is taken against the row's maximum over all its keys (exact in any order) in float32;
+        each block's weights are summed over its KEY_BLOCK places (masked places add exact zeros)
+        and the blocks' sums accumulated in block order (cumsum along the block dimension), so
+        blocks past a row's last key, which a deeper row in the same forward needs, add nothing.
+        The weights enter the value product in the cache's dtype, as flash attention does."""
+        assert plan.block_slots is not None and plan.block_masked is not None
+        rows_in, real, group = q.shape[0], plan.real, plan.group
+        h, kvh, hd, width = self.n_heads, self.n_kv_heads, self.head_dim, KEY_BLOCK
+        g = h // kvh
+        groups = -(-real // group)
+        padded, shared = groups * group, plan.shared_blocks
+        tails = plan.block_slots.shape[1] // width
+        qp = q[:real] if padded == real else torch.cat([q[:real], q[:1].expand(padded - real, h, hd)])
+        # [kvh, groups, group*g, hd]: a group's query heads of one KV head, row after row
+        qg = qp.reshape(groups, group, kvh, g, hd).permute(2, 0, 1, 3, 4).reshape(kvh, groups, group * g, hd)
+        rows = torch.arange(real, device=q.device)
+        of_group, place = rows // group, rows % group
+        # the gathered blocks: each row's query group against that row's keys
+        keys = kv.index_select(2, plan.block_slots.view(-1)).view(2, kvh * real * tails, width, hd)
+        qt = qg.index_select(1, of_group)[:, :, None].expand(kvh, real, tails, group * g, hd)
+        qt = qt.reshape(kvh * real * tails, group * g, hd)
+        st = torch.bmm(qt, keys[0].transpose(1, 2)).view(kvh, real, tails, group, g, width)
+        parts = [st[:, rows, :, place]]  # [real, kvh, tails, g, C]
+        blocks = None
+        if shared:  # [2, kvh, shared, C, hd]: the committed blocks, in place
+            blocks = kv[:, :, :shared * width].view(2, kvh, shared, width, hd)
+            qs = qg[:, :, None].expand(kvh, groups, shared, group * g, hd)
+            ss = _block_products(qs, blocks[0].transpose(2, 3)).view(groups, kvh, shared, group, g, width)
+            parts.insert(0, ss[of_group, :, :, place])  # [real, kvh, shared, g, C]
+        scores = torch.cat(parts, dim=2).float().mul_(1.0 / math.sqrt(hd))  # [real, kvh, blocks, g, C]
+        scores[:, :, shared:].masked_fill_(plan.block_masked.view(real, 1, tails, 1, width), -math.inf)
+        top = scores.amax(dim=(2, 4), keepdim=True)
+        probs = scores.sub_(top).exp_()
+        sums = probs.sum(-1, keepdim=True)  # [real, kvh, blocks, g, 1]
+        weights = probs.to(kv.dtype)
+        # the weighted values, each block's in the same product shape as its scores
+        pt = weights.new_zeros(kvh, real, tails, group, g, width)
+        pt[:, rows, :, place] = weights[:, :, shared:]
+        ot = torch.bmm(pt.view(-1, group * g, width), keys[1]).view(kvh, real, tails, group, g, hd)
+        outs = [ot[:, rows, :, place]]
+        if blocks is not None:
+            ps = weights.new_zeros(groups, kvh, shared, group, g, width)
+            ps[of_group, :, :, place] = weights[:, :, :shared]
+            ps = ps.permute(1, 0, 2, 3, 4, 5).reshape(kvh, groups, shared, group * g, width)
+            os_ = _block_products(ps, blocks[1])
+            outs.insert(0, os_.view(groups, kvh, shared, group, g, hd)[of_group, :, :, place])
+        total = torch.cat([torch.cat(outs, dim=2).float(), sums], dim=-1).cumsum(2).select(2, -1)
+        result = q.new_zeros(rows_in, h, hd) if rows_in > real else q.new_empty(rows_in, h, hd)
+        result[:real] = (total[..., :hd] / total[..., hd:]).reshape(real, h, hd)
         return result
 
     def _scratch_kv(self, plan: RowPlan, name: str, *shape: int) -> Tensor:
@@ -426,12 +589,13 @@ def _attention_rows_match_ar(attn: InvariantAttention, dtype: torch.dtype, devic
     """Whether `attn`'s row-invariant attention gives every row of a tree forward bit for bit what
     a one-token (AR) forward gives the same token at the same position, on random queries and
     caches of this dtype and device: a 10-node tree (a 5-deep chain, a sibling beside each node)
-    whose rows' heads end on both sides of a KEY_CHUNK boundary. The construction
-    (`Attention._attend_chunked`) leaves one assumption about the machine: that a batched product
-    computes each matrix alike whatever the batch count; this tests it where it matters. Probed
-    once per shape."""
+    whose rows' keys end on both sides of a block (KEY_BLOCK, KEY_CHUNK) boundary, at two contexts.
+    The construction (`_attend_blocked`, `_attend_chunked`) leaves assumptions about the machine:
+    that a batched product computes each matrix alike whatever the batch count and the operands'
+    batch strides, and a row alike wherever it sits in a product; this tests them where they
+    matter. Probed once per shape."""
     key = (attn.n_heads, attn.n_kv_heads, attn.head_dim, dtype, device.type, block,
-           ATTENTION_ROWS.get(device.type, block), GATHER_PIECES)
+           ATTENTION_ROWS.get(device.type, block), GATHER_PIECES, EXACT_ATTENTION)
     ok = _ATTENTION_MATCHES_AR.get(key)
     if ok is None:
         g = torch.Generator(device=device).manual_seed(0)
@@ -440,19 +604,19 @@ def _attention_rows_match_ar(attn: InvariantAttention, dtype: torch.dtype, devic
         ancestors = []
         for i, par in enumerate(parents):
             ancestors.append((ancestors[par] if par >= 0 else []) + [i])
-        start = 3 * KEY_CHUNK - 3
-        n = len(parents)
-        kv = torch.randn(2, kvh, start + n + 8, hd, generator=g, device=device).to(dtype)
-        rows = -(-n // block) * block
-        q = torch.randn(rows, h, hd, generator=g, device=device).to(dtype)
-        tree = attn._attend(q, kv, row_plan(start, ancestors, device, block))
-        ok = True
-        for i, anc in enumerate(ancestors):
-            kv_ar = kv.clone()  # AR's cache holds the row's ancestors in order after the prefix
-            kv_ar[:, :, start:start + len(anc)] = kv[:, :, [start + a for a in anc]]
-            q_ar = q[i:i + 1].expand(block, h, hd).contiguous()
-            ar = attn._attend(q_ar, kv_ar, row_plan(start + len(anc) - 1, [[0]], device, block))
-            ok = ok and torch.equal(ar[0], tree[i])
+        n, ok = len(parents), True
+        # rows whose keys end on both sides of a block boundary, with no committed block and with three
+        for start in (KEY_CHUNK - 3, 3 * KEY_CHUNK - 3):
+            kv = torch.randn(2, kvh, start + n + 8, hd, generator=g, device=device).to(dtype)
+            rows = -(-n // block) * block
+            q = torch.randn(rows, h, hd, generator=g, device=device).to(dtype)
+            tree = attn._attend(q, kv, row_plan(start, ancestors, device, block))
+            for i, anc in enumerate(ancestors):
+                kv_ar = kv.clone()  # AR's cache holds the row's ancestors in order after the prefix
+                kv_ar[:, :, start:start + len(anc)] = kv[:, :, [start + a for a in anc]]
+                q_ar = q[i:i + 1].expand(block, h, hd).contiguous()
+                ar = attn._attend(q_ar, kv_ar, row_plan(start + len(anc) - 1, [[0]], device, block))
+                ok = ok and torch.equal(ar[0], tree[i])
         _ATTENTION_MATCHES_AR[key] = ok
     return ok
 
@@ -499,6 +663,12 @@ class InvariantTransformer:
             for fn in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward, self.output):
                 width = next(p for p in fn.parameters() if p.dim() == 2).shape[1]
                 _call_matches_blocks(fn, torch.empty(rows, width, dtype=self.dtype, device=self.device), rows, rows)
+            for norm in (layer.attention_norm, layer.ffn_norm, self.norm):
+                if not _norm_rows_match(norm, self.dtype, self.device, rows):
+                    raise RuntimeError(
+                        f"row invariance is impossible here: this machine's {self.dtype} RMSNorm on {self.device} "
+                        "rounds a row by the call's row count or its place in it; use lossless=numerical, and "
+                        "report the machine")
             if not self.kernel_decode and not _attention_rows_match_ar(layer.attention, self.dtype, self.device, rows):
                 raise RuntimeError(
                     f"row invariance is impossible here: this machine's {self.dtype} attention on {self.device} "

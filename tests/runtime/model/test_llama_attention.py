@@ -22,7 +22,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def row_keys(plan: RowPlan, row: int) -> torch.Tensor:
-    """The cache slots `row` attends to, in logical order, read back from the plan's torch encoding."""
+    """The cache slots `row` attends to, in logical order, read back from the plan's torch encoding
+    (blocked or chunked)."""
+    if plan.block_slots is not None:
+        assert plan.block_masked is not None
+        shared = torch.arange(plan.shared_blocks * invariant.KEY_BLOCK)
+        return torch.cat([shared, plan.block_slots[row][~plan.block_masked[row]]])
     assert plan.masked is not None and plan.tail_slots is not None
     group, at = plan.group, row % plan.group
     head = plan.masked[row // group, :-1, 0, at, 0].reshape(-1)
@@ -162,8 +167,10 @@ def test_an_attention_that_follows_the_row_count_is_refused(monkeypatch: pytest.
         tiny_model(torch.float32).set_row_invariance(8)
 
 
-def test_a_forward_deeper_than_a_key_chunk_is_refused() -> None:
-    """A row's new tokens must fit its last KEY_CHUNK keys: a deeper chain is refused, saying so."""
+def test_a_forward_deeper_than_a_key_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked attention: a row's new tokens must fit its last KEY_CHUNK keys, a deeper chain is
+    refused, saying so (the blocked one has no such limit: `test_blocked_rows_equal_ar_past_a_block`)."""
+    monkeypatch.setattr(invariant, "EXACT_ATTENTION", "chunked")
     model = tiny_model()
     model.set_row_invariance(8)
     model(torch.zeros(1, 10, dtype=torch.long), torch.arange(10))
@@ -181,3 +188,74 @@ def test_probe_at_three_contexts(dtype: torch.dtype) -> None:
     result = invariance_probe("cpu", dtype, layers=2)
     assert result["ok"], [r for r in result["results"] if r["identical_rows"] < r["nodes"]]
     assert sorted({r["context"] for r in result["results"]}) == sorted(PROBE_CONTEXTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 8])
+def test_blocked_rows_equal_ar_past_a_block(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, group: int) -> None:
+    """The blocked attention takes a chain deeper than a key block (no depth limit), and each of its
+    rows equals the one-token (AR) forward of the same token at its position, bit for bit, with one
+    row or a block of rows per product, while reading the cache in place and in its own dtype."""
+    monkeypatch.setitem(invariant.ATTENTION_ROWS, "cpu", group)
+    n, start = invariant.KEY_BLOCK + 20, 100
+    chain = [list(range(i + 1)) for i in range(n)]
+    attn, q, kv = attention_inputs((9, 3, 64), start, n, dtype)
+    plan = row_plan(start, chain, torch.device("cpu"), 8)
+    assert plan.block_slots is not None and plan.shared_blocks == start // invariant.KEY_BLOCK
+    got = attn._attend(q, kv, plan)
+    for i in (0, 1, 27, 28, 29, n - 1):  # 28: the first row past a block boundary
+        ar = attn._attend(q[i:i + 1].expand(8, -1, -1), kv, row_plan(start + i, [[0]], "cpu", 8))
+        assert torch.equal(ar[0], got[i]), i
+    if dtype == torch.float32:
+        want = reference_attention(attn, q, kv, plan, dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_probe_refuses_a_norm_that_follows_the_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`set_row_invariance` probes RMSNorm too (it runs over a call's rows at once): a norm whose
+    row result follows the call's row count is refused, naming what to do; the real one passes."""
+    model = tiny_model(torch.float32)
+    model.set_row_invariance(8)
+    assert invariant._norm_rows_match(model.norm, torch.float32, torch.device("cpu"), 8)
+    real_forward = type(model.norm).forward
+
+    def by_count(self, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return real_forward(self, x) * (1 + 1e-3 * (x.shape[0] > 8))
+
+    monkeypatch.setattr(invariant, "_NORM_MATCHES", {})
+    monkeypatch.setattr(type(model.norm), "forward", by_count)
+    with pytest.raises(RuntimeError, match="RMSNorm.*lossless=numerical"):
+        model.set_row_invariance(8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_composition_does_not_change_a_sequence(dtype: torch.dtype) -> None:
+    """The same sequence verified alone and beside others of other context lengths and row counts
+    (`forward_batch`, kernel off) gets the same logits bit for bit, wherever it sits in the batch."""
+    from runtime.model.batch import BatchItem
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                                  intermediate_size=64, max_position_embeddings=512))
+    model.to(dtype).setup_cache(512)
+    model.eval().set_row_invariance(8)
+    g = torch.Generator().manual_seed(1)
+    chain = lambda n: [list(range(i + 1)) for i in range(n)]  # noqa: E731
+
+    def item(context: int, n: int, seed: int) -> BatchItem:
+        cache = model.new_cache()
+        model.use_cache(cache)
+        ids = torch.randint(0, 64, (context,), generator=torch.Generator().manual_seed(seed))
+        model(ids[None], torch.arange(context))
+        toks = torch.randint(0, 64, (n,), generator=g)
+        return BatchItem(cache, toks, torch.arange(context, context + n), chain(n))
+
+    def fresh(it: BatchItem) -> BatchItem:
+        it.cache.length = int(it.positions[0])
+        return it
+
+    mine, others = item(130, 5, 0), [item(40, 3, 1), item(200, 11, 2), item(70, 1, 3)]
+    alone = model.forward_batch([fresh(mine)])[0][0]
+    for batch in ([mine] + others, others[:2] + [mine], others + [mine]):
+        out = model.forward_batch([fresh(it) for it in batch])
+        assert torch.equal(out[batch.index(mine)][0], alone)
