@@ -1,0 +1,148 @@
+"""Do a bank's per-batch-size choices survive a rebuild on the same machine?
+
+    python -m pipeline.experiments.rebuild_stability --task humaneval --rebuilds 3 [-- OVERRIDES...]
+    python -m pipeline.experiments.rebuild_stability --banks a/bank.json b/bank.json ...   # report only
+
+With `--rebuilds N` it rebuilds the task's time and bank stages N times (`force=true` on each, in
+turn, in separate processes, as a user would), keeps each build's bank.json, and reports; with
+`--banks` it reports on bank.json files already kept. The report (rebuilds.md, in `--out`;
+default: the reports folder of the bank, `rebuilds/`) tabulates, per batch size, each build's
+choice with its paired interval (`pipeline.timing.paired`), and a verdict:
+
+* same: every build chose the same (a tree, or AR);
+* within intervals: the builds differ, but every build that measured both choices reports them as
+  within each other's interval (their intervals overlap; AR's ratio is exactly 1), so each build
+  itself says the other choice is as good, up to its measurement;
+* differs: some build reports one choice as confidently better than the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import atomic_write_bytes
+from pipeline.paths import REPO_ROOT
+
+AR = None
+
+
+def cell(doc: dict[str, Any], b: str) -> tuple[int | None, dict[int, tuple[float, float, float]]]:
+    """A bank.json's choice at batch size `b` (None: AR) and {tree: (median, low, high)} of the
+    trees its paired rounds timed there."""
+    entry = doc["batch_sizes"][b]
+    cands = (entry.get("paired") or {}).get("candidates", [])
+    return entry.get("best_static"), {int(c["tree"]): (c["median"], c["low"], c["high"]) for c in cands}
+
+
+def _interval(choice: int | None, timed: dict[int, tuple[float, float, float]]) -> tuple[float, float] | None:
+    if choice is AR:
+        return (1.0, 1.0)
+    return timed[choice][1:] if choice in timed else None
+
+
+def within(a: int | None, b: int | None, timed: dict[int, tuple[float, float, float]]) -> bool:
+    """Whether one build's measurement puts choices a and b within each other's interval."""
+    ia, ib = _interval(a, timed), _interval(b, timed)
+    return ia is not None and ib is not None and ia[0] <= ib[1] and ib[0] <= ia[1]
+
+
+def verdicts(docs: Sequence[dict[str, Any]]) -> dict[str, tuple[list[int | None], str]]:
+    """{batch size: (each build's choice, verdict)} over the batch sizes every build measured."""
+    sizes = sorted(set.intersection(*(set(d["batch_sizes"]) for d in docs)), key=int)
+    out = {}
+    for b in sizes:
+        cells = [cell(d, b) for d in docs]
+        choices = [c for c, _ in cells]
+        if len(set(choices)) == 1:
+            out[b] = (choices, "same")
+            continue
+        ok = all(within(choices[i], choices[j], cells[k][1])
+                 for i in range(len(docs)) for j in range(len(docs)) if choices[i] != choices[j] for k in (i, j))
+        out[b] = (choices, "within intervals" if ok else "differs")
+    return out
+
+
+def report(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
+    """rebuilds.md: per batch size, each build's choice and the paired interval of what it chose."""
+    prov = docs[0].get("provenance", {})
+    machine = prov.get("machine", {})
+    head = (f"# Rebuild stability: {prov.get('task', '?')}, {prov.get('model_name', '?')} + "
+            f"{prov.get('heads_name', '?')}, {machine.get('cpu', '?')} ({machine.get('torch_threads', '?')} threads), "
+            f"{prov.get('dtype', '?')}\n\n"
+            f"{len(docs)} builds of the time and bank stages. Each cell: the build's choice at that batch size and "
+            "its paired ratio to batched AR, median [interval] (AR: no tree's interval lay above 1; its best "
+            "candidate's in brackets).\n\n")
+    v = verdicts(docs)
+    lines = ["| batch | " + " | ".join(names) + " | verdict |", "|---" * (len(names) + 2) + "|"]
+    for b, (choices, verdict) in v.items():
+        row = []
+        for d, c in zip(docs, choices):
+            _, timed = cell(d, b)
+            if c is AR:
+                best = max(timed.items(), key=lambda kv: kv[1][0]) if timed else None
+                row.append("AR" + (f" (tree {best[0]}: {best[1][0]:.2f} [{best[1][1]:.2f}, {best[1][2]:.2f}])" if best else ""))
+            else:
+                m, lo, hi = timed.get(c, (float("nan"),) * 3)
+                row.append(f"tree {c} ({len(d['trees'][c]['paths']) + 1} nodes): {m:.2f} [{lo:.2f}, {hi:.2f}]")
+        lines.append(f"| {b} | " + " | ".join(row) + f" | {verdict} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def rebuild(task: str, n: int, out: Path, overrides: Sequence[str]) -> list[Path]:
+    """Rebuild the task's time and bank stages `n` times (force=true each), keeping each bank.json."""
+    kept = []
+    for i in range(1, n + 1):
+        for stage in ("time", "bank"):
+            cmd = [sys.executable, "-m", "pipeline", f"stage={stage}", f"task={task}", "force=true", *overrides]
+            print(f"[rebuilds] build {i}/{n}: {' '.join(cmd[2:])}", flush=True)
+            subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+        bank = _bank_dir(task, overrides) / "bank.json"
+        kept.append(out / f"build-{i}.json")
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(bank, kept[-1])
+    return kept
+
+
+def _bank_dir(task: str, overrides: Sequence[str]) -> Path:
+    from pipeline.graph import compose_cfg
+    from pipeline.paths import Layout
+
+    return Layout.from_cfg(compose_cfg([f"task={task}", *overrides])).bank_dir
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", default="humaneval")
+    ap.add_argument("--rebuilds", type=int, default=3, help="builds to run (ignored with --banks)")
+    ap.add_argument("--banks", nargs="+", type=Path, help="bank.json files already kept: report only")
+    ap.add_argument("--out", type=Path, help="folder for the builds' bank.json and rebuilds.md")
+    ap.add_argument("overrides", nargs="*", help="pipeline overrides for every build (after --)")
+    args = ap.parse_args(argv)
+    if args.banks:
+        files = list(args.banks)
+        out = args.out or files[0].parent
+    else:
+        if args.rebuilds < 2:
+            ap.error("--rebuilds needs at least 2 builds to compare")
+        out = args.out or Path(str(_bank_dir(args.task, args.overrides)).replace("/banks/", "/reports/", 1)) / "rebuilds"
+        files = rebuild(args.task, args.rebuilds, out, args.overrides)
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        ap.error(f"no such bank.json: {', '.join(missing)}")
+    docs = [json.loads(f.read_text()) for f in files]
+    text = report(docs, [f.stem for f in files])
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / "rebuilds.md", text.encode())
+    print(text)
+    print(f"[rebuilds] wrote {out / 'rebuilds.md'}")
+
+
+if __name__ == "__main__":
+    main()
