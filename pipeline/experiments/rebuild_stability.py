@@ -10,9 +10,10 @@ default: the reports folder of the bank, `rebuilds/`) tabulates, per batch size,
 choice with its paired interval (`pipeline.timing.paired`), and a verdict:
 
 * same: every build chose the same (a tree, or AR);
-* within intervals: the builds differ, but every build that measured both choices reports them as
-  within each other's interval (their intervals overlap; AR's ratio is exactly 1), so each build
-  itself says the other choice is as good, up to its measurement;
+* within intervals: the builds differ, but for each pair of builds that chose differently, each of
+  the two that timed both choices (at least one did) reports them within each other's interval
+  (their intervals overlap; AR's ratio is exactly 1): the build itself says the other choice is as
+  good, up to its measurement;
 * differs: some build reports one choice as confidently better than the other.
 """
 
@@ -63,8 +64,14 @@ def verdicts(docs: Sequence[dict[str, Any]]) -> dict[str, tuple[list[int | None]
         if len(set(choices)) == 1:
             out[b] = (choices, "same")
             continue
-        ok = all(within(choices[i], choices[j], cells[k][1])
-                 for i in range(len(docs)) for j in range(len(docs)) if choices[i] != choices[j] for k in (i, j))
+        ok = True
+        for i in range(len(docs)):
+            for j in range(i + 1, len(docs)):
+                if choices[i] == choices[j]:
+                    continue
+                # the builds of the pair that timed both choices (AR is always "timed": ratio 1)
+                judges = [k for k in (i, j) if all(c is AR or c in cells[k][1] for c in (choices[i], choices[j]))]
+                ok = ok and bool(judges) and all(within(choices[i], choices[j], cells[k][1]) for k in judges)
         out[b] = (choices, "within intervals" if ok else "differs")
     return out
 

@@ -37,6 +37,12 @@ def test_verdicts_same_within_and_differs() -> None:
     # build b measured tree 1 confidently above AR at B = 8: a flip, whatever build a says
     assert v["8"] == ([None, 1], "differs")
     assert list(v) == ["1", "4", "8"]
+    # a build that never timed the other's choice does not judge; the one that timed both does
+    c = doc({"1": (2, {2: (1.4, 1.3, 1.5)})})
+    d = doc({"1": (1, {1: (1.38, 1.3, 1.44), 2: (1.2, 1.1, 1.32)})})
+    assert verdicts([c, d])["1"] == ([2, 1], "within intervals")
+    assert verdicts([c, doc({"1": (1, {1: (1.38, 1.35, 1.44), 2: (1.2, 1.1, 1.3)})})])["1"][1] == "differs"
+    assert verdicts([c, doc({"1": (1, {1: (1.38, 1.35, 1.44)})})])["1"][1] == "differs"  # nobody timed both
 
 
 def test_report_only_writes_the_table(tmp_path: Path) -> None:
