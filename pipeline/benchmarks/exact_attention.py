@@ -25,7 +25,7 @@ import torch
 
 from pipeline.artifacts import machine_info
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, median
-from runtime.config import ModelArgs
+from pipeline.timing.invariance import probe_model
 from runtime.model import invariant
 from runtime.model.llama import Transformer
 
@@ -34,17 +34,7 @@ INVARIANT_ROWS = 8
 
 def vicuna_layer(dtype: torch.dtype, device: str, max_seq_len: int) -> Transformer:
     """One Vicuna-7B-shaped layer with random weights ~ N(0, 1/fan_in), its cache allocated."""
-    args = ModelArgs(vocab_size=256, dim=4096, n_layers=1, n_heads=32, n_kv_heads=32, head_dim=128,
-                     intermediate_size=11008, max_position_embeddings=max(4096, max_seq_len))
-    model = Transformer(args)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / (1.0 if "embeddings" in name else p.shape[1] ** 0.5))
-    model.to(device=device, dtype=dtype).eval()
-    model.setup_cache(max_seq_len)
-    return model
+    return probe_model(32, 32, 128, max_seq_len, device, dtype, dim=4096, intermediate=11008)
 
 
 def default_model(dtype: torch.dtype, device: str, max_seq_len: int) -> Transformer | None:

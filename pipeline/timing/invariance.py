@@ -118,12 +118,13 @@ def probe_trees() -> dict[str, list[int]]:
 
 
 def probe_model(heads: int, kv_heads: int, head_dim: int, max_seq_len: int, device: torch.device | str,
-                dtype: torch.dtype, layers: int = 1, dim: int = 128, vocab: int = 256, seed: int = 0) -> Transformer:
-    """A random-weight Llama with these attention shapes and small everything else (dim, FFN,
-    vocabulary: they only feed the attention), its cache allocated. Weights ~ N(0, 1/fan_in), so
-    that the attention's scores have unit scale."""
+                dtype: torch.dtype, layers: int = 1, dim: int = 128, vocab: int = 256, seed: int = 0,
+                intermediate: int | None = None) -> Transformer:
+    """A random-weight Llama with these attention shapes and small everything else by default (dim,
+    FFN (`intermediate`, default 2 x dim), vocabulary: they only feed the attention), its cache
+    allocated. Weights ~ N(0, 1/fan_in), so that the attention's scores have unit scale."""
     args = ModelArgs(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
-                     head_dim=head_dim, intermediate_size=2 * dim, max_position_embeddings=max_seq_len)
+                     head_dim=head_dim, intermediate_size=intermediate or 2 * dim, max_position_embeddings=max_seq_len)
     model = Transformer(args)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
