@@ -84,8 +84,6 @@ def build_bank(
                                       signal_costs=signal_costs, static_index=measured)
             policies = {name: f["policy"] for name, f in fitted["policies"].items()}
             best = measured
-            if default not in policies:
-                default = "static"
     fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
     dyn = None
     if dynamic is not None:

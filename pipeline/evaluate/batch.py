@@ -207,10 +207,9 @@ def add_bank_intervals(df: pd.DataFrame, bank) -> None:
     tokens/step (`at_bank_tokens_per_step`: the paired ratio is a decode rate at those, so this
     compares the step costs alone, not the eval prompts' own acceptance) and whether it lies inside
     (`inside_bank_interval`). Where the bank chose AR, the method is batched AR itself: ratio 1."""
-    cols = {c: math.nan for c in ("bank_ratio", "bank_low", "bank_high", "at_bank_tokens_per_step")}
-    for c, v in {**cols, "inside_bank_interval": None}.items():
-        df[c] = v
-    df["inside_bank_interval"] = df["inside_bank_interval"].astype(object)
+    for c in ("bank_ratio", "bank_low", "bank_high", "at_bank_tokens_per_step"):
+        df[c] = math.nan
+    df["inside_bank_interval"] = pd.Series([None] * len(df), index=df.index, dtype=object)
     schedule = bank.serving_schedule()
     for i, r in df[df.method == PER_BATCH].iterrows():
         b = int(r.batch_size)
