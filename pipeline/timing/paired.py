@@ -27,8 +27,8 @@ prompt rotates over the rounds.
 Each tree's per-round ratios give a median and a seeded bootstrap interval of it (`runtime.check.
 median_interval`, the statistic `entmtp inspect --check` reports); rounds continue, with AR and only
 the trees that can still change the decision, while an interval straddles it (`undecided`), up to
-a cap. The choice (`choose`): the best tree whose interval lies above 1 (its lower bound beats AR),
-the smallest of those not confidently slower than it; otherwise AR. Across batch sizes the choices
+a cap. The choice (`choose`): of the trees whose interval lies above 1 (the lower bound beats AR),
+the best median; otherwise AR. Across batch sizes the choices
 are kept monotone (`monotone_choices`): a larger B drafts no bigger tree than a smaller B chose,
 unless the per-round ratio of the bigger tree to the alternative says it is faster with confidence.
 
@@ -138,15 +138,16 @@ class Cell:
 
     def choose(self, nodes: Sequence[int], within: Sequence[int] | None = None) -> int | None:
         """The choice among `within` (default: every candidate): of the trees whose interval lies
-        above 1, the best median's, or the smallest tree not confidently slower than it; None (AR)
-        where no tree beats AR with confidence."""
+        above 1, the one of best median (the smaller on an equal one); None (AR) where no tree beats
+        AR with confidence. Not "the smallest tree not confidently slower than the best": whether
+        a pairwise difference of a few percent reaches confidence varies from build to build, so
+        that rule swapped adjacent trees between rebuilds of one machine; two medians swap order
+        only where the trees lie within each other's interval."""
         pool = self.trees if within is None else [k for k in self.trees if k in within]
         eligible = [k for k in pool if self.ratios(k) and self.interval(k)[1] > 1.0]
         if not eligible:
             return None
-        best = max(eligible, key=lambda k: (self.interval(k)[0], -nodes[k]))
-        ties = [k for k in eligible if k == best or not self.faster(best, k)]
-        return min(ties, key=lambda k: (nodes[k], k))
+        return max(eligible, key=lambda k: (self.interval(k)[0], -nodes[k], -k))
 
     def undecided(self, nodes: Sequence[int]) -> list[int]:
         """The trees more rounds should time: where AR is chosen, those whose interval straddles 1;
