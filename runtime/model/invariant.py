@@ -436,8 +436,11 @@ class InvariantAttention:
         qp = q[:real] if padded == real else torch.cat([q[:real], q[:1].expand(padded - real, h, hd)])
         # [kvh, groups, group*g, hd]: a group's query heads of one KV head, row after row
         qg = qp.reshape(groups, group, kvh, g, hd).permute(2, 0, 1, 3, 4).reshape(kvh, groups, group * g, hd)
-        rows = torch.arange(real, device=q.device)
-        of_group, place = rows // group, rows % group
+        index = plan.scratch.get("block_rows")  # each row, its product group and its place there: once per forward
+        if index is None:
+            rows = torch.arange(real, device=q.device)
+            index = plan.scratch["block_rows"] = (rows, rows // group, rows % group)
+        rows, of_group, place = index
         # the gathered blocks: each row's query group against that row's keys
         keys = kv.index_select(2, plan.block_slots.view(-1)).view(2, kvh * real * tails, width, hd)
         qt = qg.index_select(1, of_group)[:, :, None].expand(kvh, real, tails, group * g, hd)
