@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_bytes
-from pipeline.paths import REPO_ROOT
+from pipeline.paths import REPO_ROOT, Layout
 
 AR = None
 
@@ -104,24 +104,23 @@ def report(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
 
 def rebuild(task: str, n: int, out: Path, overrides: Sequence[str]) -> list[Path]:
     """Rebuild the task's time and bank stages `n` times (force=true each), keeping each bank.json."""
+    bank = _layout(task, overrides).bank_dir / "bank.json"
+    out.mkdir(parents=True, exist_ok=True)
     kept = []
     for i in range(1, n + 1):
         for stage in ("time", "bank"):
             cmd = [sys.executable, "-m", "pipeline", f"stage={stage}", f"task={task}", "force=true", *overrides]
             print(f"[rebuilds] build {i}/{n}: {' '.join(cmd[2:])}", flush=True)
             subprocess.run(cmd, check=True, cwd=REPO_ROOT)
-        bank = _bank_dir(task, overrides) / "bank.json"
         kept.append(out / f"build-{i}.json")
-        out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(bank, kept[-1])
     return kept
 
 
-def _bank_dir(task: str, overrides: Sequence[str]) -> Path:
+def _layout(task: str, overrides: Sequence[str]) -> Layout:
     from pipeline.graph import compose_cfg
-    from pipeline.paths import Layout
 
-    return Layout.from_cfg(compose_cfg([f"task={task}", *overrides])).bank_dir
+    return Layout.from_cfg(compose_cfg([f"task={task}", *overrides]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -138,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         if args.rebuilds < 2:
             ap.error("--rebuilds needs at least 2 builds to compare")
-        out = args.out or Path(str(_bank_dir(args.task, args.overrides)).replace("/banks/", "/reports/", 1)) / "rebuilds"
+        out = args.out or _layout(args.task, args.overrides).reports / "rebuilds"
         files = rebuild(args.task, args.rebuilds, out, args.overrides)
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
