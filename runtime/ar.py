@@ -15,6 +15,7 @@ import torch
 
 from runtime.device import clock
 from runtime.model.batch import BatchItem
+from runtime.model.cache import KVCache
 from runtime.model.llama import Transformer
 from runtime.model.checkpoint import load_model, load_tokenizer
 from runtime.sampling import RowPositions, Sampler
@@ -88,8 +89,10 @@ def ar_generate_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     every live sequence in one forward (`Transformer.forward_batch`, each sequence with its own KV
     cache), and a sequence leaves the batch after its EOS or token limit. Needs the row-invariant
     arithmetic (`lossless: exact`); each sequence's tokens are then exactly `ar_generate`'s for it
-    alone. The model's own cache is left as it was. Given a list, `prefill_seconds` gets each
-    prompt's prefill time appended (as `GenerationResult.prefill_seconds` of a tree decode)."""
+    alone. A prompt that repeats the one before it copies that prefill's cache positions instead of
+    computing them again (as `TreeDecoder.generate_batch` does). The model's own cache is left as it
+    was. Given a list, `prefill_seconds` gets each prompt's prefill time appended (as
+    `GenerationResult.prefill_seconds` of a tree decode; a copy's is its copying)."""
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if not prompts or len(limits) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts and {len(limits)} token limits: give at least one prompt, one limit each")
@@ -110,6 +113,7 @@ def ar_generate_batch(model: Transformer, prompts: list[list[int]], max_new_toke
     outs: list[list[int]] = [[] for _ in prompts]
     caches = []
     try:
+        shared: tuple[list[int], KVCache, torch.Tensor] | None = None  # the last prefill: prompt, cache, logits
         for k, p in enumerate(prompts):
             cache = model.new_cache(min(model.max_seq_len, len(p) + limits[k] + 1))
             caches.append(cache)
@@ -117,8 +121,12 @@ def ar_generate_batch(model: Transformer, prompts: list[list[int]], max_new_toke
                 continue
             model.use_cache(cache)
             t0 = clock(device)
-            logits, _ = model(torch.tensor([p], device=device), torch.arange(len(p), device=device), last_only=True)
-            outs[k].append(pick(logits[0, -1], 0))
+            if shared is not None and shared[0] == p:  # a copy of the previous prompt: its positions
+                cache.copy_prefix(shared[1], len(p))
+            else:
+                logits, _ = model(torch.tensor([p], device=device), torch.arange(len(p), device=device), last_only=True)
+                shared = (p, cache, logits[0, -1])
+            outs[k].append(pick(shared[2], 0))
             if prefill_seconds is not None:
                 prefill_seconds.append(clock(device) - t0)
         live = [k for k in range(len(prompts)) if outs[k] and outs[k][-1] not in stop and len(outs[k]) < limits[k]]

@@ -374,7 +374,9 @@ class TreeDecoder:
 
         Lossless per sequence: in the row-invariant arithmetic (`lossless: exact`) each sequence's
         tokens are exactly what `generate` (and so AR) gives that prompt alone, whatever else is in
-        the batch. Each result's `decode_seconds` is the batch's time until that sequence finished.
+        the batch. A prompt that repeats the one before it (`n` samples of one prompt) shares that
+        prompt's prefill forward: its cache positions are copied, not computed again.
+        Each result's `decode_seconds` is the batch's time until that sequence finished.
         `on_step` is called after every batch step (e.g. to time the steps). With `batch_policy` (a
         `runtime.policy.BatchScheduler`; each prompt's `choose` is then a Scheduler of its
         expected-throughput policy, which only supplies the signal), every step chooses all the
@@ -402,12 +404,13 @@ class TreeDecoder:
         the drafter's state `own_heads` at the end."""
         model, heads = self.model, self.heads
         try:
+            shared: _PromptForward | None = None
             for seq in seqs:
                 seq.cache = model.new_cache(min(model.max_seq_len, len(seq.input_ids) + seq.max_new_tokens + (
                     seq.choose.num_nodes if isinstance(seq.choose, StepTreePolicy) else self._max_nodes)))
                 seq.heads_state = heads.new_state()
                 self._enter(seq)
-                self._prefill(seq)
+                shared = self._prefill(seq, shared)
                 self._leave(seq)
             t_dec = time.perf_counter()
             live = [s for s in seqs if not s.done]
@@ -498,15 +501,23 @@ class TreeDecoder:
     def _leave(self, seq: _Sequence) -> None:
         seq.heads_state = self.heads.save_state()
 
-    def _prefill(self, seq: _Sequence) -> None:
+    def _prefill(self, seq: _Sequence, shared: _PromptForward | None = None) -> _PromptForward:
+        """The prompt's forward into the sequence's cache, its first token and the drafter's view of
+        the prompt. Where `shared` ran the same prompt (the batch's previous sequence: copies of one
+        prompt, as `n` samples of it or a timed batch), its cache positions are copied instead of
+        computed again; sampling the first token and the drafter's observation stay per sequence
+        (they depend on its sampler). Returns the forward, for the next sequence to share."""
         model, heads, dev = self.model, self.heads, self.model.device
         t0 = clock(dev)
         ids = torch.tensor([seq.input_ids], dtype=torch.long, device=dev)
         prompt_pos = torch.arange(ids.shape[1], device=dev)
-        logits, hidden = model(ids, prompt_pos, last_only=True)
-        last = logits[0, -1]
+        if shared is not None and shared.input_ids == seq.input_ids and model.cache is not shared.cache:
+            model.cache.copy_prefix(shared.cache, len(seq.input_ids))
+        else:
+            logits, hidden = model(ids, prompt_pos, last_only=True)
+            shared = _PromptForward(seq.input_ids, model.cache, logits[0, -1], hidden, self._aux())
+        last, hidden, features = shared.last, shared.hidden, shared.features
         root = seq.sampler.next_tokens(last[None], RowPositions(0, self._offsets[:1], 1))
-        features = self._aux()
         # the prompt's positions (with their features: each one's next token, the last one's the root)
         seq.h = heads.observe(hidden, prompt_pos) if features is None else \
             heads.observe(hidden, prompt_pos, torch.cat([ids[0, 1:], root]), features)
@@ -518,6 +529,7 @@ class TreeDecoder:
         if seq.stream:
             seq.stream([seq.root])
         seq.done = seq.root in seq.eos or len(seq.result.tokens) >= seq.max_new_tokens
+        return shared
 
     def _observe(self, seq: _Sequence) -> float:
         """The sequence's signal before this step (its scheduler's)."""
@@ -617,6 +629,17 @@ class TreeDecoder:
         if seq.stream:
             seq.stream(out)
         seq.done = seq.root in seq.eos or len(seq.result.tokens) >= seq.max_new_tokens
+
+
+@dataclass(frozen=True)
+class _PromptForward:
+    """A prompt's prefill forward in a batch, for the next sequence of the same prompt to share."""
+
+    input_ids: list[int]
+    cache: KVCache                            # the sequence's cache that holds the prompt's positions
+    last: torch.Tensor                        # logits of the prompt's last position [V]
+    hidden: torch.Tensor                      # the prompt's hidden states
+    features: torch.Tensor | None             # the drafter's aux features of the prompt (`_aux`)
 
 
 @dataclass

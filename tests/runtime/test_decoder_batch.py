@@ -122,6 +122,42 @@ def test_per_sequence_policies_and_seeded_sampling() -> None:
         dec.generate_batch(prompts, 20, choose=[shared] * len(prompts))
 
 
+def _count_prefills(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The prompt lengths of the model's prefill forwards (position 0 first), as they run."""
+    seen: list[int] = []
+    forward = model.forward
+
+    def counted(tokens, positions, *args, **kwargs):  # noqa: ANN001, ANN202
+        if int(positions.reshape(-1)[0]) == 0:
+            seen.append(int(tokens.shape[-1]))
+        return forward(tokens, positions, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    return seen
+
+
+def test_copies_of_one_prompt_share_its_prefill_and_decode_as_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.ar import ar_generate, ar_generate_batch
+
+    model = invariant_model("padded", seed=2)
+    heads = tiny_heads(model, "hydra", prefix=True, seed=2)   # a drafter with per-sequence state
+    dec = TreeDecoder(model, heads, [TreeBuffers.compile(t) for t in DECODER_TREES])
+    a, b = _prompts(2, seed=8)
+    prompts = [a, a, a, b, a]                 # copies share the previous prefill; b and the a after it do not
+    sampler = Sampler(SamplingConfig(temperature=0.8, seed=5))
+    alone = [dec.generate(p, 24, choose=2, sampler=sampler).tokens for p in prompts]
+    seen = _count_prefills(model, monkeypatch)
+    batch = dec.generate_batch(prompts, 24, choose=2, sampler=sampler)
+    assert seen == [len(a), len(b), len(a)]
+    assert [r.tokens for r in batch] == alone
+    seen.clear()
+    assert ar_generate_batch(model, prompts, 16, sampler=sampler) == [ar_generate(model, p, 16, sampler=sampler)
+                                                                      for p in prompts]
+    assert seen[:3] == [len(a), len(b), len(a)]   # then the five alone
+    with pytest.raises(ValueError, match="cannot copy 9 positions"):
+        model.new_cache(8).copy_prefix(model.new_cache(16), 9)
+
+
 def test_bad_batches_say_what_is_wrong() -> None:
     model = invariant_model("padded")
     dec = TreeDecoder(model, tiny_heads(model, "hydra"), [TreeBuffers.compile(Tree([(0,)]))])

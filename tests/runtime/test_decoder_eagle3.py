@@ -164,6 +164,9 @@ def test_generate_batch_gives_each_sequence_its_own_ar_output(arithmetic: str, w
     results = dec.generate_batch(prompts, N, choose=1, eos_ids=(), sampler=Sampler(cfg))
     for prompt, res in zip(prompts, results):
         assert res.tokens == ar(dec, prompt, sampler=Sampler(cfg))
+    # copies of one prompt share its prefill; each still observes it through its own drafter cache
+    copies = dec.generate_batch([prompts[0]] * 3, N, choose=[1, 2, 1], eos_ids=(), sampler=Sampler(cfg))
+    assert all(res.tokens == ar(dec, prompts[0], sampler=Sampler(cfg)) for res in copies)
 
 
 def test_propose_batch_drafts_each_sequence_over_its_own_cache(weights: dict) -> None:
