@@ -74,10 +74,10 @@ def median_interval(ratios: Sequence[float], level: float = LEVEL, resamples: in
     return statistics.median(ratios), meds[tail], meds[resamples - 1 - tail]
 
 
-def straddles(ratios: Sequence[float]) -> bool:
-    """Whether the interval of `ratios` still contains 1 (the measurement decides nothing yet)."""
+def straddles(ratios: Sequence[float], bar: float = 1.0) -> bool:
+    """Whether the interval of `ratios` still contains `bar` (the measurement decides nothing yet)."""
     _, low, high = median_interval(ratios)
-    return low <= 1.0 <= high
+    return low <= bar <= high
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,7 @@ class ChoiceCheck:
     stored: float | None            # the bank's ratio of the timed tree to AR at B (None: not recorded)
     stored_range: tuple[float, float] | None = None  # the bank's interval of it, where it timed it paired
     ratios: tuple[float, ...] = ()  # per round, here
+    min_gain: float = 0.0           # the bank's rule: a tree is chosen where its interval lies above 1 + this
 
     @property
     def interval(self) -> tuple[float, float, float] | None:
@@ -99,11 +100,11 @@ class ChoiceCheck:
     @property
     def holds(self) -> bool:
         """The bank's rule on the new measurement makes the same choice: a tree beats AR with
-        confidence (interval above 1), or, for AR, the fastest tree does not."""
+        confidence (interval above 1 + the bank's `min_gain`), or, for AR, the fastest tree does not."""
         if self.interval is None:
             return True  # AR with no tree timed at B: nothing could beat it
         low = self.interval[1]
-        return low > 1.0 if self.chosen is not None else low <= 1.0
+        return low > 1.0 + self.min_gain if self.chosen is not None else low <= 1.0 + self.min_gain
 
     def line(self) -> str:
         stored = "ratio not recorded" if self.stored is None else f"{self.stored:.2f}x AR" + (
@@ -120,8 +121,10 @@ class ChoiceCheck:
             verdict = "holds"
         elif self.chosen is None:
             verdict = f"does not hold: tree {self.timed} beats AR here"
+        elif med > 1.0 + self.min_gain:
+            verdict = f"not confirmed: its interval reaches {1.0 + self.min_gain:.2f}x (rerun with more --seconds, or rebuild)"
         elif med > 1.0:
-            verdict = "not confirmed: its interval reaches 1.00x (rerun with more --seconds, or rebuild)"
+            verdict = f"does not hold: its gain over AR is under the bank's {100 * self.min_gain:.0f}% margin here"
         else:
             verdict = "does not hold: AR is at least as fast here"
         return f"{head}; {here}: {verdict}"
@@ -137,6 +140,14 @@ def paired_candidate(entry: dict[str, Any], k: int) -> dict[str, Any] | None:
     rec = entry.get("paired")
     candidates = rec.get("candidates") if isinstance(rec, dict) else None
     return next((c for c in candidates or [] if isinstance(c, dict) and c.get("tree") == k), None)
+
+
+def _min_gain(entry: dict[str, Any]) -> float:
+    """The margin over AR the bank's paired rule asked of a chosen tree at one batch size (0 for a
+    bank built before it recorded one)."""
+    rec = entry.get("paired")
+    gain = rec.get("min_gain", 0.0) if isinstance(rec, dict) else 0.0
+    return float(gain) if _measured(gain) else 0.0
 
 
 def stored_ratio(bank: TopologyBank, entry: dict[str, Any], k: int) -> float | None:
@@ -192,7 +203,8 @@ def check_bank(engine: EntMTP, seconds: float = DEFAULT_SECONDS, new_tokens: int
         check = ChoiceCheck(b, c.tree_index, timed, None if timed is None else bank.trees[timed].num_nodes,
                             None if timed is None else stored_ratio(bank, entry, timed),
                             (paired["low"], paired["high"]) if paired is not None and _measured(paired.get("low"))
-                            and _measured(paired.get("high")) else None)
+                            and _measured(paired.get("high")) else None,
+                            min_gain=_min_gain(entry))
         if timed is not None:
             batch = [ids[i % len(ids)] for i in range(b)]
 
@@ -208,7 +220,8 @@ def check_bank(engine: EntMTP, seconds: float = DEFAULT_SECONDS, new_tokens: int
             block(ar=True), block(policy=timed)  # warm-up, untimed
             start = time.perf_counter()
             ratios = paired_ratios(lambda: block(ar=True), lambda: block(policy=timed),
-                                   lambda r: time.perf_counter() - start < budget and straddles(r))
+                                   lambda r: time.perf_counter() - start < budget
+                                   and straddles(r, 1.0 + check.min_gain))
             check = replace(check, ratios=tuple(ratios))
         if report:
             report(check.line())

@@ -265,6 +265,9 @@ def plot_paired_ratios(ax: Any, trees: list[Tree], batch: dict[str, dict[str, An
         if mx:
             ax.scatter(mx, my, marker="x", color=line[0].get_color(), zorder=5)
     ax.axhline(1.0, color="black", lw=1.5, label="batched AR")
+    gain = next((batch[str(b)]["paired"].get("min_gain") for b in sizes if batch[str(b)].get("paired")), None)
+    if gain:  # a tree is chosen only where its whole interval clears this line
+        ax.axhline(1.0 + gain, color="black", lw=1, ls="--", label=f"AR + {100 * gain:.0f}% (minimum gain)")
     ax.scatter([], [], marker="x", color="gray", label="step-cost model's ratio")
     ax.scatter([], [], s=160, facecolors="none", edgecolors="red", label="bank's choice")
     ax.set_xticks(range(len(sizes)), [str(b) for b in sizes])

@@ -396,7 +396,7 @@ class BankConfig:
     # the choice at each batch size, timed as a ratio (`pipeline.timing.paired`): the bank's trees of
     # highest modeled batch tok/s there (this many) decode against the runtime's batched AR in
     # rounds of blocks AR, T1..Tn, Tn..T1, AR on the same prompts; a tree is chosen where the
-    # interval of its median ratio lies above 1
+    # interval of its median ratio lies above 1 + paired_min_gain
     paired_candidates: int = at_least(3, 1)
     # ... less those the step-cost model prices below this ratio to AR (its errors are ~15%; the
     # fastest candidate is timed whatever the model says)
@@ -406,6 +406,9 @@ class BankConfig:
     paired_new_tokens: int = at_least(32, 2)    # tokens per sequence of each timed block
     paired_prompts: int = at_least(4, 1)        # calibration prompts the rounds rotate over (B copies of one per block)
     paired_level: float = at_least(0.9, 0.5, 0.99)  # the intervals' coverage (seeded bootstrap of the median)
+    # a tree is chosen only where its interval lies above 1 + this (else the batch size decodes AR):
+    # an interval that grazes 1 is a gain the eval's own prompts can take back
+    paired_min_gain: float = at_least(0.02, 0.0, 0.5)
 
 
 @dataclass

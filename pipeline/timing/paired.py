@@ -27,8 +27,10 @@ prompt rotates over the rounds.
 Each tree's per-round ratios give a median and a seeded bootstrap interval of it (`runtime.check.
 median_interval`, the statistic `entmtp inspect --check` reports); rounds continue, with AR and only
 the trees that can still change the decision, while an interval straddles it (`undecided`), up to
-a cap. The choice (`choose`): of the trees whose interval lies above 1 (the lower bound beats AR),
-the best median; otherwise AR. Across batch sizes the choices
+a cap. The choice (`choose`): of the trees whose interval lies above 1 + `min_gain` (the lower
+bound beats AR by that much), the best median; otherwise AR. The margin keeps out a tree whose
+interval only grazes 1 (1.01x [1.00, 1.03]): a gain that small is within what the eval's own
+prompts move by, and the runtime's batched AR is the safe side of such a call. Across batch sizes the choices
 are kept monotone (`monotone_choices`): a larger B drafts no bigger tree than a smaller B chose,
 unless the per-round ratio of the bigger tree to the alternative says it is faster with confidence.
 
@@ -71,20 +73,22 @@ class PairedSettings:
     new_tokens: int = 32
     prompts: int = 4
     level: float = LEVEL
+    min_gain: float = 0.02
 
     def __post_init__(self) -> None:
         if self.candidates < 1 or self.min_rounds < 2 or self.max_rounds < self.min_rounds:
             raise ValueError(f"paired settings need candidates >= 1 and 2 <= min_rounds <= max_rounds, got "
                              f"{self.candidates}, {self.min_rounds}, {self.max_rounds}")
-        if self.new_tokens < 2 or self.prompts < 1 or not 0.5 <= self.level < 1.0:
-            raise ValueError(f"paired settings need new_tokens >= 2 (one batch step at least), prompts >= 1 and a "
-                             f"level in [0.5, 1), got {self.new_tokens}, {self.prompts}, {self.level}")
+        if self.new_tokens < 2 or self.prompts < 1 or not 0.5 <= self.level < 1.0 or not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"paired settings need new_tokens >= 2 (one batch step at least), prompts >= 1, a "
+                             f"level in [0.5, 1) and a min_gain in [0, 1), got {self.new_tokens}, {self.prompts}, "
+                             f"{self.level}, {self.min_gain}")
 
     @classmethod
     def from_bank_config(cls, bank: Mapping[str, Any]) -> PairedSettings:
         """From the plain `bank` config group (its `paired_*` keys)."""
         kinds = {"candidates": int, "model_floor": float, "min_rounds": int, "max_rounds": int, "new_tokens": int,
-                 "prompts": int, "level": float}
+                 "prompts": int, "level": float, "min_gain": float}
         return cls(**{f: kind(bank[f"paired_{f}"]) for f, kind in kinds.items() if f"paired_{f}" in bank})
 
 
@@ -118,6 +122,7 @@ class Cell:
     trees: list[int]                                   # the candidates, in the order they were timed
     rounds: list[dict[int, float]] = field(default_factory=list)
     level: float = LEVEL
+    min_gain: float = 0.0                              # a chosen tree's interval lies above 1 + min_gain
 
     def ratios(self, k: int) -> list[float]:
         return [r[k] for r in self.rounds if k in r]
@@ -138,13 +143,13 @@ class Cell:
 
     def choose(self, nodes: Sequence[int], within: Sequence[int] | None = None) -> int | None:
         """The choice among `within` (default: every candidate): of the trees whose interval lies
-        above 1, the one of best median (the smaller on an equal one); None (AR) where no tree beats
+        above 1 + `min_gain`, the one of best median (the smaller on an equal one); None (AR) where no tree beats
         AR with confidence. Not "the smallest tree not confidently slower than the best": whether
         a pairwise difference of a few percent reaches confidence varies from build to build, so
         that rule swapped adjacent trees between rebuilds of one machine; two medians swap order
         only where the trees lie within each other's interval."""
         pool = self.trees if within is None else [k for k in self.trees if k in within]
-        eligible = [k for k in pool if self.ratios(k) and self.interval(k)[1] > 1.0]
+        eligible = [k for k in pool if self.ratios(k) and self.interval(k)[1] > 1.0 + self.min_gain]
         if not eligible:
             return None
         return max(eligible, key=lambda k: (self.interval(k)[0], -nodes[k], -k))
@@ -155,7 +160,8 @@ class Cell:
         (either could still become the choice). Empty when the decision stands."""
         c = self.choose(nodes)
         if c is None:
-            return [k for k in self.trees if self.interval(k)[1] <= 1.0 <= self.interval(k)[2]]
+            bar = 1.0 + self.min_gain
+            return [k for k in self.trees if self.interval(k)[1] <= bar <= self.interval(k)[2]]
         open_ = [k for k in self.trees if k != c and self.versus(c, k)[1] <= 1.0 <= self.versus(c, k)[2]]
         return [c, *open_] if open_ else []
 
@@ -167,7 +173,7 @@ def measure_cell(run_block: Callable[[int | None, int], Block], batch_size: int,
     tree `arm` (None: AR) on round `round`'s prompt and returns its `Block`. One untimed block per
     side first; then `settings.min_rounds` rounds of every tree, then rounds of AR and the
     `undecided` trees while there are any, `settings.max_rounds` rounds in all at most."""
-    cell = Cell(batch_size, list(trees), level=settings.level)
+    cell = Cell(batch_size, list(trees), level=settings.level, min_gain=settings.min_gain)
     if not trees:
         return cell
     for arm in [None, *trees]:
@@ -226,8 +232,8 @@ def cell_record(cell: Cell, choice: int | None, unconstrained: int | None, model
         med, low, high = cell.interval(k)
         cands.append({"tree": k, "median": med, "low": low, "high": high, "rounds": len(cell.ratios(k)),
                       "model_ratio": model_ratio.get(k)})
-    rec: dict[str, Any] = {"ratio": RATIO, "level": settings.level, "new_tokens": settings.new_tokens,
-                           "rounds": len(cell.rounds), "candidates": cands}
+    rec: dict[str, Any] = {"ratio": RATIO, "level": settings.level, "min_gain": settings.min_gain,
+                           "new_tokens": settings.new_tokens, "rounds": len(cell.rounds), "candidates": cands}
     if unconstrained != choice:
         rec["unconstrained"] = unconstrained   # what the batch size alone chose, before `monotone_choices`
     return rec

@@ -80,6 +80,15 @@ def test_a_choice_holds_by_the_banks_rule(chosen: int | None, ratios: tuple[floa
     assert head.startswith("B=4: bank's choice ") and "stored 1.18x AR" in head and said.startswith(verdict)
 
 
+def test_a_check_asks_the_banks_margin_over_ar() -> None:
+    grazing = (1.01, 1.02, 1.015, 1.012)
+    assert ChoiceCheck(8, 1, 1, 2, 1.01, ratios=grazing).holds
+    strict = ChoiceCheck(8, 1, 1, 2, 1.01, ratios=grazing, min_gain=0.02)
+    assert not strict.holds and strict.line().endswith("its gain over AR is under the bank's 2% margin here")
+    assert ChoiceCheck(8, None, 1, 2, 1.01, ratios=grazing, min_gain=0.02).holds   # AR: the tree does not clear 1.02
+    assert "reaches 1.02x" in ChoiceCheck(8, 1, 1, 2, 1.01, ratios=(1.0, 1.05, 1.04), min_gain=0.02).line()
+
+
 def test_stored_ratio_and_fastest_tree_from_the_record() -> None:
     bank = make_bank()
     record = batch_choices_record(bank.trees, {2: 1, 4: None})

@@ -151,6 +151,17 @@ def test_the_choice_needs_an_interval_above_one_and_takes_the_best_median() -> N
     assert ahead.choose(NODES, within=[1]) == 1
 
 
+def test_a_tree_whose_interval_only_grazes_one_leaves_the_batch_size_to_ar() -> None:
+    # a B = 8 cell as one EPYC build measured it: 1.01x [1.00, 1.03], then 0.996x in the eval
+    rounds = [{1: 1.01}, {1: 1.03}, {1: 1.005}, {1: 1.02}, {1: 1.012}, {1: 1.008}]
+    grazing = Cell(8, [1], rounds, min_gain=0.02)
+    assert grazing.interval(1)[1] > 1.0 and grazing.choose(NODES) is None
+    assert grazing.undecided(NODES) == [1]    # its interval straddles 1.02: worth more rounds
+    assert Cell(8, [1], rounds).choose(NODES) == 1   # no margin: the old rule took it
+    clear = Cell(8, [1], [{1: 1.10}, {1: 1.12}, {1: 1.09}, {1: 1.11}], min_gain=0.02)
+    assert clear.choose(NODES) == 1 and clear.undecided(NODES) == []
+
+
 def test_choices_stay_monotone_in_the_batch_size_unless_confidently_faster() -> None:
     small = [{1: 1.20, 3: 1.05}, {1: 1.22, 3: 1.04}, {1: 1.19, 3: 1.06}, {1: 1.21, 3: 1.02}]
     # at B = 2 the 9-node tree has the best median but ties the 3-node tree: B = 1's tree stays
@@ -193,6 +204,9 @@ def test_settings_are_checked_and_read_from_the_bank_config() -> None:
         PairedSettings(min_rounds=5, max_rounds=4)
     with pytest.raises(ValueError, match="new_tokens >= 2"):
         PairedSettings(new_tokens=1)
+    with pytest.raises(ValueError, match="min_gain in"):
+        PairedSettings(min_gain=-0.01)
+    assert PairedSettings.from_bank_config({"paired_min_gain": 0.05}).min_gain == 0.05
 
 
 # ---------------------------------------------------------------------------------- real decoders
