@@ -250,5 +250,6 @@ def test_a_cell_whose_two_kinds_of_pass_disagree_is_timed_again(monkeypatch: pyt
                                    prefill_s=0.01, sampler=None, now=lambda: float(next(ticks)))
     assert calls == [([0, 1], [2, 4]), ([1], [2])]   # one more round, for that cell only
     passes = {(k, b): out["per_batch"][str(b)]["trees"][k]["passes"] for k in (0, 1) for b in (2, 4)}
-    assert passes == {(0, 2): 8, (1, 2): 16, (0, 4): 8, (1, 4): 8}
+    n = 2 * batch.BATCH_CHECK_PASSES
+    assert passes == {(0, 2): n, (1, 2): 2 * n, (0, 4): n, (1, 4): n}
     assert abs(out["per_batch"]["2"]["trees"][1]["model_error_pct"]) < 3
