@@ -12,8 +12,9 @@ choice with its paired interval (`pipeline.timing.paired`), and a verdict:
 * same: every build chose the same (a tree, or AR);
 * within intervals: the builds differ, but for each pair of builds that chose differently, each of
   the two that timed both choices (at least one did) reports them within each other's interval
-  (their intervals overlap; AR's ratio is exactly 1): the build itself says the other choice is as
-  good, up to its measurement;
+  (their intervals overlap; AR's interval is [1, 1 + the bank's minimum gain], since a tree below
+  that margin is not chosen over AR): the build itself says the other choice is as good, up to its
+  measurement;
 * differs: some build reports one choice as confidently better than the other.
 """
 
@@ -24,6 +25,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,15 +44,21 @@ def cell(doc: dict[str, Any], b: str) -> tuple[int | None, dict[int, tuple[float
     return entry.get("best_static"), {int(c["tree"]): (c["median"], c["low"], c["high"]) for c in cands}
 
 
-def _interval(choice: int | None, timed: dict[int, tuple[float, float, float]]) -> tuple[float, float] | None:
+def min_gain(doc: dict[str, Any], b: str) -> float:
+    """The margin over AR the build's rule asked of a tree at batch size `b` (0 where not recorded)."""
+    return float((doc["batch_sizes"][b].get("paired") or {}).get("min_gain", 0.0))
+
+
+def _interval(choice: int | None, timed: dict[int, tuple[float, float, float]], gain: float) -> tuple[float, float] | None:
     if choice is AR:
-        return (1.0, 1.0)
+        return (1.0, 1.0 + gain)
     return timed[choice][1:] if choice in timed else None
 
 
-def within(a: int | None, b: int | None, timed: dict[int, tuple[float, float, float]]) -> bool:
-    """Whether one build's measurement puts choices a and b within each other's interval."""
-    ia, ib = _interval(a, timed), _interval(b, timed)
+def within(a: int | None, b: int | None, timed: dict[int, tuple[float, float, float]], gain: float = 0.0) -> bool:
+    """Whether one build's measurement puts choices a and b within each other's interval (`gain`:
+    that build's minimum gain over AR)."""
+    ia, ib = _interval(a, timed, gain), _interval(b, timed, gain)
     return ia is not None and ib is not None and ia[0] <= ib[1] and ib[0] <= ia[1]
 
 
@@ -71,21 +79,24 @@ def verdicts(docs: Sequence[dict[str, Any]]) -> dict[str, tuple[list[int | None]
                     continue
                 # the builds of the pair that timed both choices (AR is always "timed": ratio 1)
                 judges = [k for k in (i, j) if all(c is AR or c in cells[k][1] for c in (choices[i], choices[j]))]
-                ok = ok and bool(judges) and all(within(choices[i], choices[j], cells[k][1]) for k in judges)
+                ok = ok and bool(judges) and all(within(choices[i], choices[j], cells[k][1], min_gain(docs[k], b))
+                                                 for k in judges)
         out[b] = (choices, "within intervals" if ok else "differs")
     return out
 
 
-def report(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
-    """rebuilds.md: per batch size, each build's choice and the paired interval of what it chose."""
+def report(docs: Sequence[dict[str, Any]], names: Sequence[str],
+           minutes: Sequence[dict[str, float]] | None = None) -> str:
+    """rebuilds.md: per batch size, each build's choice and the paired interval of what it chose;
+    with `minutes` ({stage: minutes} per build), a last row with each build's stage times."""
     prov = docs[0].get("provenance", {})
     machine = prov.get("machine", {})
     head = (f"# Rebuild stability: {prov.get('task', '?')}, {prov.get('model_name', '?')} + "
             f"{prov.get('heads_name', '?')}, {machine.get('cpu', '?')} ({machine.get('torch_threads', '?')} threads), "
             f"{prov.get('dtype', '?')}\n\n"
             f"{len(docs)} builds of the time and bank stages. Each cell: the build's choice at that batch size and "
-            "its paired ratio to batched AR, median [interval] (AR: no tree's interval lay above 1; its best "
-            "candidate's in brackets).\n\n")
+            "its paired ratio to batched AR, median [interval] (AR: no tree's interval lay above 1 + the bank's "
+            "minimum gain; its best candidate's in brackets).\n\n")
     v = verdicts(docs)
     lines = ["| batch | " + " | ".join(names) + " | verdict |", "|---" * (len(names) + 2) + "|"]
     for b, (choices, verdict) in v.items():
@@ -99,22 +110,30 @@ def report(docs: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
                 m, lo, hi = timed.get(c, (float("nan"),) * 3)
                 row.append(f"tree {c} ({len(d['trees'][c]['paths']) + 1} nodes): {m:.2f} [{lo:.2f}, {hi:.2f}]")
         lines.append(f"| {b} | " + " | ".join(row) + f" | {verdict} |")
+    if minutes:
+        lines.append("| minutes | " + " | ".join(" + ".join(f"{s} {m:.1f}" for s, m in d.items()) for d in minutes)
+                     + " | |")
     return head + "\n".join(lines) + "\n"
 
 
-def rebuild(task: str, n: int, out: Path, overrides: Sequence[str]) -> list[Path]:
-    """Rebuild the task's time and bank stages `n` times (force=true each), keeping each bank.json."""
+def rebuild(task: str, n: int, out: Path, overrides: Sequence[str]) -> tuple[list[Path], list[dict[str, float]]]:
+    """Rebuild the task's time and bank stages `n` times (force=true each), keeping each bank.json;
+    returns the kept files and each build's wall minutes per stage."""
     bank = _layout(task, overrides).bank_dir / "bank.json"
     out.mkdir(parents=True, exist_ok=True)
-    kept = []
+    kept, minutes = [], []
     for i in range(1, n + 1):
+        took = {}
         for stage in ("time", "bank"):
             cmd = [sys.executable, "-m", "pipeline", f"stage={stage}", f"task={task}", "force=true", *overrides]
             print(f"[rebuilds] build {i}/{n}: {' '.join(cmd[2:])}", flush=True)
+            t0 = time.perf_counter()
             subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+            took[stage] = (time.perf_counter() - t0) / 60
         kept.append(out / f"build-{i}.json")
         shutil.copyfile(bank, kept[-1])
-    return kept
+        minutes.append(took)
+    return kept, minutes
 
 
 def _layout(task: str, overrides: Sequence[str]) -> Layout:
@@ -131,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="folder for the builds' bank.json and rebuilds.md")
     ap.add_argument("overrides", nargs="*", help="pipeline overrides for every build (after --)")
     args = ap.parse_args(argv)
+    minutes = None
     if args.banks:
         files = list(args.banks)
         out = args.out or files[0].parent
@@ -138,12 +158,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.rebuilds < 2:
             ap.error("--rebuilds needs at least 2 builds to compare")
         out = args.out or _layout(args.task, args.overrides).reports / "rebuilds"
-        files = rebuild(args.task, args.rebuilds, out, args.overrides)
+        files, minutes = rebuild(args.task, args.rebuilds, out, args.overrides)
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         ap.error(f"no such bank.json: {', '.join(missing)}")
     docs = [json.loads(f.read_text()) for f in files]
-    text = report(docs, [f.stem for f in files])
+    text = report(docs, [f.stem for f in files], minutes)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / "rebuilds.md", text.encode())
     print(text)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.experiments.rebuild_stability import main, verdicts, within
+from pipeline.experiments.rebuild_stability import main, report, verdicts, within
 
 TREES = [{"paths": []}, {"paths": [[0]]}, {"paths": [[0], [0, 0]]}]
 
@@ -24,6 +24,8 @@ def test_within_reads_ar_as_exactly_one() -> None:
     assert not within(None, 2, timed)
     assert within(1, 2, timed) and not within(1, 2, {1: (1.0, 0.9, 1.05), 2: (1.2, 1.1, 1.3)})
     assert not within(1, 3, timed)  # a choice the build never timed is not within anything
+    # a build that asks a tree for 2% over AR: a tree whose interval reaches below 1.02 is as good as AR
+    assert not within(None, 1, {1: (1.04, 1.01, 1.06)}) and within(None, 1, {1: (1.04, 1.01, 1.06)}, 0.02)
 
 
 def test_verdicts_same_within_and_differs() -> None:
@@ -54,3 +56,5 @@ def test_report_only_writes_the_table(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "rebuilds.md").read_text()
     assert "| 1 | tree 2 (3 nodes): 1.40 [1.30, 1.50] | tree 2 (3 nodes): 1.45 [1.35, 1.50] | same |" in text
     assert "test cpu" in text
+    minutes = report([json.loads(f.read_text()) for f in files], ["a", "b"], [{"time": 6.0, "bank": 4.25}] * 2)
+    assert minutes.endswith("| minutes | time 6.0 + bank 4.2 | time 6.0 + bank 4.2 | |\n")
