@@ -40,15 +40,24 @@ from runtime.model.rope import apply_rope
 # Matrix products on row blocks
 
 
-# (module shapes, dtype, device, block rows, call rows) -> whether one call over that many rows gives
-# each row bit for bit what calls on blocks of `block rows` give (see `by_row_blocks`)
+# (module shapes, product path, dtype, device, block rows, call rows) -> whether one call over that
+# many rows gives each row bit for bit what calls on blocks of `block rows` give (`by_row_blocks`)
 _CALL_MATCHES_BLOCKS: dict[tuple, bool] = {}
-# (module shapes, dtype, device, block rows, total rows) -> the rows per call `by_row_blocks` uses
+# (module shapes, product path, dtype, device, block rows, total rows) -> the rows per call
+# `by_row_blocks` uses
 _CALL_WIDTH: dict[tuple, int] = {}
 
 
+def _product_path(fn: nn.Module) -> tuple:
+    """Which product each Linear inside `fn` runs (`runtime.model.llama.Linear.add_fast_paths`: the
+    small-row kernel's packed weight, torch's transposed copy, or F.linear): the same shapes round
+    differently on another path, so a probe's answer holds for its path only."""
+    return tuple((getattr(m, "weight_packed", None) is not None, getattr(m, "weight_t", None) is not None)
+                 for m in fn.modules() if isinstance(m, nn.Linear))
+
+
 def _module_key(fn: nn.Module, x: Tensor, rows: int) -> tuple:
-    return (tuple(tuple(p.shape) for p in fn.parameters()), x.dtype, x.device.type, rows)
+    return (tuple(tuple(p.shape) for p in fn.parameters()), _product_path(fn), x.dtype, x.device.type, rows)
 
 
 def _call_matches_blocks(fn: nn.Module, x: Tensor, rows: int, width: int) -> bool:
@@ -76,7 +85,7 @@ def _call_matches_blocks(fn: nn.Module, x: Tensor, rows: int, width: int) -> boo
     return ok
 
 
-# (norm shape, dtype, device type, rows) -> whether `_norm_rows_match` held
+# (norm shape, its kernel switch, dtype, device type, rows) -> whether `_norm_rows_match` held
 _NORM_MATCHES: dict[tuple, bool] = {}
 
 
@@ -85,7 +94,7 @@ def _norm_rows_match(norm: nn.Module, dtype: torch.dtype, device: torch.device, 
     row blocks) gives every row the same bits whatever the call's row count (1 .. 4 blocks of
     `rows`) and wherever the row sits in it (every place of a padded block). Probed once per shape."""
     dim = norm.weight.shape[0]
-    key = (dim, dtype, device.type, rows)
+    key = (dim, bool(getattr(norm, "use_kernel", False)), dtype, device.type, rows)
     ok = _NORM_MATCHES.get(key)
     if ok is None:
         g = torch.Generator(device=device).manual_seed(rows)

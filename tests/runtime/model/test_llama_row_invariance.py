@@ -206,11 +206,25 @@ def test_row_blocks_give_each_block_its_own_products_result(dtype: torch.dtype, 
     want = torch.cat([lin(x[i:i + 4]) for i in range(0, n, 4)])
     for _ in range(2):
         assert torch.equal(invariant.by_row_blocks(lin, x, 4), want)
+    path = invariant._product_path(lin)
     for width in range(8, n + 1, 4):  # as if no product wider than a block rounded like the blocks
-        invariant._CALL_MATCHES_BLOCKS[(((80, 48),), dtype, "cpu", 4, width)] = False
+        invariant._CALL_MATCHES_BLOCKS[(((80, 48),), path, dtype, "cpu", 4, width)] = False
     invariant._CALL_WIDTH.clear()
     assert torch.equal(invariant.by_row_blocks(lin, x, 4), want)
-    assert invariant._CALL_WIDTH[(((80, 48),), dtype, "cpu", 4, n)] == 4
+    assert invariant._CALL_WIDTH[(((80, 48),), path, dtype, "cpu", 4, n)] == 4
+
+
+def test_a_probe_answers_for_its_own_product_path() -> None:
+    """The same shapes on another product path (the small-row kernel, torch's transposed copy,
+    F.linear) are probed again, not read from the other path's answer."""
+    from runtime.model import invariant
+    from runtime.model.llama import Linear
+
+    plain, fast = Linear(48, 80, bias=False), Linear(48, 80, bias=False)
+    fast.add_fast_paths()
+    x = torch.empty(4, 48)
+    assert invariant._product_path(plain) == ((False, False),) != invariant._product_path(fast)
+    assert invariant._module_key(plain, x, 4) != invariant._module_key(fast, x, 4)
 
 
 def test_row_blocks_refuse_a_block_whose_rows_round_by_their_place() -> None:
