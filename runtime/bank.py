@@ -193,7 +193,8 @@ DYNAMIC_KEYS = ("super_tree", "step_ms", "calibration")
 def _check_dynamic_paired(rec: Any, where: str) -> None:
     """EntMTP-dyn's "paired" record, where it has one (timed against EntMTP*, its unpriced cost per
     step added to its step costs): a positive median inside its positive interval, rounds >= 1,
-    finite overheads (ms per step) and `offered` true exactly where the interval lies above 1."""
+    finite overheads (ms per step) and `offered` true exactly where the interval lies above 1 + its
+    `min_gain` (0 where a bank predates it)."""
     if rec is None:
         return
     w = f"{where}: dynamic.{PAIRED_KEY}"
@@ -202,9 +203,10 @@ def _check_dynamic_paired(rec: Any, where: str) -> None:
             or not nums[0] <= nums[1] <= nums[2] or not _is_number(rec.get("rounds")) or rec["rounds"] < 1
             or not all(_is_number(rec.get(k, 0.0)) and math.isfinite(rec.get(k, 0.0))
                        for k in ("overhead_ms", "measured_overhead_ms", "priced_overhead_ms"))
-            or rec.get("offered") is not (nums[0] > 1.0)):
-        raise BankError(f"{w} needs 0 < low <= median <= high, rounds >= 1, finite overheads and offered = "
-                        f"(low > 1), got {_short(rec, 200)}; {_REBUILD}")
+            or not (_is_number(rec.get("min_gain", 0.0)) and 0.0 <= rec.get("min_gain", 0.0) < 1.0)
+            or rec.get("offered") is not (nums[0] > 1.0 + rec.get("min_gain", 0.0))):
+        raise BankError(f"{w} needs 0 < low <= median <= high, rounds >= 1, finite overheads, a min_gain in [0, 1) "
+                        f"and offered = (low > 1 + min_gain), got {_short(rec, 200)}; {_REBUILD}")
 
 
 def _dynamic_policy(d: dict[str, Any], where: str, max_depth: int | None = None) -> Any:

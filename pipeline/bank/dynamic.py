@@ -103,7 +103,7 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
     against EntMTP*) is added to every step cost and the fit is run again, so its replayed figures,
     its subset sizes and its early-stop threshold pay for it; the refitted policy is timed again and
     the entry records that measurement under "paired" (`offered`: its interval against EntMTP*
-    lies above 1)."""
+    lies above 1 + the paired settings' `min_gain`)."""
     from pipeline.bank.policies import fit_dynamic
     from pipeline.replay.dynamic import dynamic_ceiling
     from runtime.dynamic import MAX_SUPER_NODES, DynamicPolicy

@@ -315,6 +315,7 @@ class DynamicCell:
     ratios: list[float] = field(default_factory=list)
     overhead_ms: list[float] = field(default_factory=list)
     level: float = LEVEL
+    min_gain: float = 0.0   # dyn is offered where its interval lies above 1 + this (as a tree over AR)
 
     def interval(self) -> tuple[float, float, float]:
         return median_interval(self.ratios, self.level)
@@ -327,8 +328,8 @@ class DynamicCell:
         """What the bank's `dynamic` entry holds under "paired" (`runtime.bank` reads it back)."""
         med, low, high = self.interval()
         return {"versus": "EntMTP*", "median": med, "low": low, "high": high, "rounds": len(self.ratios),
-                "level": self.level, "replay_ratio": replay_ratio, "overhead_ms": self.overhead(),
-                "offered": low > 1.0}
+                "level": self.level, "min_gain": self.min_gain, "replay_ratio": replay_ratio,
+                "overhead_ms": self.overhead(), "offered": low > 1.0 + self.min_gain}
 
 
 def dynamic_round(blocks: Sequence[tuple[bool, PricedBlock]], replay_ratio: float) -> tuple[float, float]:
@@ -355,14 +356,14 @@ def dynamic_round(blocks: Sequence[tuple[bool, PricedBlock]], replay_ratio: floa
 def measure_dynamic(run_block: Callable[[bool, int], PricedBlock], replay_ratio: float, settings: PairedSettings,
                     progress: Callable[[], None] | None = None) -> DynamicCell:
     """Rounds of blocks EntMTP*, dyn, dyn, EntMTP* (`run_block(dyn, round)`), one untimed block of
-    each first; `settings.min_rounds`, then more while the ratio's interval straddles 1, at most
-    `settings.max_rounds`."""
-    cell = DynamicCell(level=settings.level)
+    each first; `settings.min_rounds`, then more while the ratio's interval straddles 1 +
+    `settings.min_gain`, at most `settings.max_rounds`."""
+    cell = DynamicCell(level=settings.level, min_gain=settings.min_gain)
     run_block(False, 0), run_block(True, 0)  # warm-up
     while len(cell.ratios) < settings.max_rounds:
         if len(cell.ratios) >= settings.min_rounds:
             _, low, high = cell.interval()
-            if not low <= 1.0 <= high:
+            if not low <= 1.0 + cell.min_gain <= high:
                 break
         r = len(cell.ratios)
         ratio, overhead = dynamic_round([(arm is not None, run_block(arm is not None, r))

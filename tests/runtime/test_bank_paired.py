@@ -78,14 +78,19 @@ DYN_PAIRED = {"versus": "EntMTP*", "median": 0.95, "low": 0.9, "high": 1.01, "ro
     ({"low": 1.02, "offered": True}, False),         # low above the median
     ({"rounds": 0}, False),
     ({"priced_overhead_ms": float("nan")}, False),
+    ({"median": 1.02, "low": 1.01, "high": 1.05, "offered": True}, True),                     # above 1, no margin recorded
+    ({"median": 1.02, "low": 1.01, "high": 1.05, "min_gain": 0.02, "offered": True}, False),  # inside its margin
+    ({"median": 1.02, "low": 1.01, "high": 1.05, "min_gain": 0.02, "offered": False}, True),
+    ({"min_gain": -0.1}, False),
 ])
 def test_dyns_paired_record_is_checked(tmp_path: Path, change: dict, ok: bool) -> None:
     bank = make_bank()
     bank.dynamic = {"super_tree": [[0], [1]], "step_ms": [5.0, 6.0, 7.0], "calibration": {},
                     "paired": {**DYN_PAIRED, **change}}
     if ok:
-        assert TopologyBank.load(bank.save(tmp_path / "b")).dynamic["paired"] == DYN_PAIRED
-        assert "not offered (does not beat EntMTP* here)" in bank.summary()
+        assert TopologyBank.load(bank.save(tmp_path / "b")).dynamic["paired"] == {**DYN_PAIRED, **change}
+        offered = {**DYN_PAIRED, **change}["offered"]
+        assert ("offered (beats EntMTP*)" if offered else "not offered (does not beat EntMTP* here)") in bank.summary()
     else:
         with pytest.raises(BankError, match="dynamic.paired needs"):
             bank.save(tmp_path / "b")

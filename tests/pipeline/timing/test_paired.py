@@ -264,6 +264,10 @@ def test_dyn_is_timed_static_dyn_dyn_static_until_its_interval_decides() -> None
     assert len(clear.ratios) == QUICK.min_rounds and clear.record(1.3)["offered"]
     assert clear.record(1.3)["median"] == pytest.approx(1.3) and clear.overhead() == pytest.approx(0.0)
     assert not measure_dynamic(lambda dyn, r: PricedBlock(1.0, 1.0, 10), 0.9, QUICK).record(0.9)["offered"]
+    # 1% faster than EntMTP* with confidence, but not by the bank's 2% margin: not offered
+    margin = PairedSettings(min_rounds=QUICK.min_rounds, max_rounds=QUICK.max_rounds, min_gain=0.02)
+    grazing = measure_dynamic(lambda dyn, r: PricedBlock(1.0, 1.0, 10), 1.01, margin).record(1.01)
+    assert grazing["low"] > 1.0 and not grazing["offered"] and grazing["min_gain"] == 0.02
 
 
 def test_real_tiny_decoders_price_a_dynamic_policy_step_by_step() -> None:
