@@ -48,7 +48,7 @@ from runtime.fingerprint import file_sha256, files_fingerprint
 from runtime.io import atomic_write_bytes, fsync_dir
 from runtime.machine import cpu_name_and_flags
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "files_fingerprint", "fsync_dir"]  # re-exported for stages
+__all__ = ["atomic_write_bytes", "atomic_write_json", "files_fingerprint", "fsync_dir", "save_figure"]  # re-exported for stages
 
 MANIFEST = "manifest.json"
 _log = logging.getLogger(__name__)
@@ -80,6 +80,21 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     (e.g. a circular reference) raises without touching `path`.
     """
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 110) -> None:
+    """Write a matplotlib figure as a PNG at `path` atomically (rendered to memory first, so a
+    failed render leaves no half-written plot), and close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def read_json(path: str | Path) -> Any:

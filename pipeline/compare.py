@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from pipeline.artifacts import atomic_write_bytes  # noqa: E402
+from pipeline.artifacts import atomic_write_bytes, save_figure  # noqa: E402
 from runtime.bank import BankError, TopologyBank  # noqa: E402
 
 
@@ -65,10 +65,7 @@ def compare_banks(bank_root: Path, work_root: Path, out_dir: Path, tasks: list[s
     fig.suptitle(f"Task dependence — {m.get('cpu', '?')}, {m.get('torch_threads', '?')} threads", fontsize=10)
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / ".task_comparison.png.tmp"
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(out_dir / "task_comparison.png")
+    save_figure(fig, out_dir / "task_comparison.png")
     table = "\n".join(rows) + "\n"
     atomic_write_bytes(out_dir / "task_comparison.md", table.encode())
     log.info("%s", table)

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from pipeline.artifacts import save_figure  # noqa: E402
 from pipeline.rollout.record import load_rollout  # noqa: E402
 from pipeline.bank.selection import (apply_paired, bank_members, batch_choices, batch_replays,  # noqa: E402
                                      paired_candidates, throughput_hull)
@@ -138,8 +139,7 @@ def plot_acceptance_frontier(frontier: dict, path: Path, task: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_throughput_frontier(cands: list[dict], hull: list[int], members: list[int], pruned: list[int], ar_tok_s: float,
@@ -164,8 +164,7 @@ def plot_throughput_frontier(cands: list[dict], hull: list[int], members: list[i
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: dict, members: set[int] = frozenset()) -> None:
@@ -202,8 +201,7 @@ def plot_step_latency(cands: list[dict], ar_ms: float, path: Path, provenance: d
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_batch_throughput(trees: list[Tree], batch: dict[str, dict[str, Any]], path: Path, provenance: dict) -> None:
@@ -235,8 +233,7 @@ def plot_batch_throughput(trees: list[Tree], batch: dict[str, dict[str, Any]], p
     if has_paired:
         plot_paired_ratios(axes[0][1], trees, batch, sizes)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_paired_ratios(ax: Any, trees: list[Tree], batch: dict[str, dict[str, Any]], sizes: list[int]) -> None:

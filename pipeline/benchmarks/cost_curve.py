@@ -15,14 +15,13 @@ settings, headline ratios).
 from __future__ import annotations
 
 import argparse
-import io
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+from pipeline.artifacts import atomic_write_json, machine_info, save_figure
 from pipeline.benchmarks import DEFAULT_MODEL_DIR, REPORT_DIR, write_csv
 from pipeline.timing.curves import measure_cost_curves
 from runtime.model.checkpoint import load_model
@@ -94,10 +93,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import pandas as pd
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from pipeline.artifacts import atomic_write_bytes, machine_info
+from pipeline.artifacts import atomic_write_bytes, machine_info, save_figure
 from pipeline.evaluate.labels import POLICY_LABELS, decoding_words
 from runtime.device import clock
 
@@ -290,8 +290,7 @@ def plot_batches(df: pd.DataFrame, path: Path, task: str) -> None:
     axes[0].set_title(f"{task}: throughput by batch size")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def evaluate_batches(cfg: DictConfig, out: Path, model, hydra, bank, rows: list[dict], sampler=None,

@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info, save_figure
 from pipeline.evaluate.batch import evaluate_batches
 from pipeline.evaluate.labels import DYNAMIC_LABEL, EAGLE2_LABEL, POLICY_LABELS, decoding_words
 from pipeline.loaders import RuntimeSpec
@@ -517,8 +517,7 @@ def plot_methods(df: pd.DataFrame, path: Path, task: str) -> None:
     ax.set_title(f"{task}: methods side by side")
     plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_schedule(rec: dict, bank, path: Path, label: str) -> None:
@@ -539,6 +538,5 @@ def plot_schedule(rec: dict, bank, path: Path, label: str) -> None:
     ax2.set_ylabel("signal", color="tab:orange")
     ax1.set_title(f"{label}: tree chosen along one generation ({rec['id']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 

@@ -26,7 +26,6 @@ settings) and sweep.png.
 from __future__ import annotations
 
 import argparse
-import io
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 
 from pipeline.paths import REPO_ROOT, Layout, default_model_name
-from pipeline.artifacts import atomic_write_bytes, atomic_write_json, machine_info
+from pipeline.artifacts import atomic_write_json, machine_info, save_figure
 from pipeline.benchmarks import median, write_csv
 from pipeline.config.schema import TRAIN_TASKS
 from pipeline.heads.draft_vocab import FrequencySettings, draft_vocab_heads, read_frequencies, token_frequencies
@@ -252,10 +251,7 @@ def plot(quality: list[dict], timing: list[dict], e2e: list[dict], path: Path, t
     ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def _groups(rows: list[dict], keys: tuple[str, ...], **where: Any) -> dict[tuple, list[dict]]:

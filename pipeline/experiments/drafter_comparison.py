@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 import re
 import time
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.artifacts import atomic_write_bytes, read_json
+from pipeline.artifacts import atomic_write_bytes, read_json, save_figure
 from pipeline.benchmarks import TASKS
 from pipeline.paths import Layout, default_model_name
 from pipeline.replay.accept import PrefixIndex, walk
@@ -389,10 +388,7 @@ def plot(replays: dict[str, TaskReplay], tasks: Sequence[str], path: Path) -> No
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def compare_drafters(artifacts: Path, model: str, tasks: Sequence[str], profile: str = "cpu",

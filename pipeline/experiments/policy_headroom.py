@@ -104,7 +104,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipeline.artifacts import atomic_write_bytes
+    from pipeline.artifacts import save_figure
 
     names = [r["policy"] for r in next(iter(results.values()))]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
@@ -118,12 +118,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     ax.set_xlabel("replayed tokens/s, % of the oracle over the bank (calibration steps)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pipeline.config.schema  # noqa: F401 - registers the typed config schemas with hydra
-from pipeline.artifacts import atomic_write_bytes, machine_info, read_json
+from pipeline.artifacts import atomic_write_bytes, machine_info, read_json, save_figure
 from pipeline.graph import compose_cfg
 from pipeline.paths import Layout
 
@@ -101,11 +101,8 @@ def plot(df: Any, reference: dict[float, float], path: Path, cfg: Any) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from pipeline.artifacts import atomic_write_bytes
+from pipeline.artifacts import atomic_write_bytes, save_figure
 from runtime.eagle3 import Eagle3Drafter
 from runtime.model.rope import apply_rope
 
@@ -343,10 +343,7 @@ def write_curve(curve: list[dict[str, Any]], out: Path, title: str) -> None:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = out.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out.with_suffix(".png"))
+    save_figure(fig, out.with_suffix(".png"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -369,3 +369,27 @@ def test_two_processes_building_the_same_output(tmp_path: Path) -> None:
     run_stage("demo", clean, {"k": "A"}, build_files("A"), log=quiet)
     assert contents(out) == contents(clean)
     assert leftovers(out) == []
+
+
+def test_save_figure_writes_a_whole_png_and_closes_the_figure(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pipeline.artifacts import save_figure
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    save_figure(fig, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plt.fignum_exists(fig.number) and [p.name for p in tmp_path.iterdir()] == ["plot.png"]
+    broken, _ = plt.subplots()
+
+    def fails(*_args, **_kwargs) -> None:  # noqa: ANN002, ANN003 - a render that fails half way
+        raise ValueError("cannot render")
+
+    broken.savefig = fails
+    with pytest.raises(ValueError, match="cannot render"):
+        save_figure(broken, tmp_path / "broken.png")
+    assert not (tmp_path / "broken.png").exists() and not plt.fignum_exists(broken.number)
