@@ -86,6 +86,10 @@ def build_bank(
             policies = {name: f["policy"] for name, f in fitted["policies"].items()}
             best = measured
     fitted["oracle"]["batch"] = batch_replays(rollouts, trees, policies, best, batch)
+    # the runtime's AR step at the step-cost model's speed: what the replayed figures, priced by the
+    # same model, compare with (the root-only tree's step also pays the drafter every step)
+    if timing.get("ar_token_ms"):
+        fitted["oracle"]["ar_step_ms"] = float(timing["ar_token_ms"])
     dyn = None
     if dynamic is not None:
         from pipeline.bank.dynamic import build_dynamic

@@ -382,10 +382,12 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
     ar_dec = df.loc[df.method == "AR", "decode_tok_per_s"].item()
     oracle_dec = oracle_tokens / oracle_time if oracle_time else math.nan
     # The oracle is replayed with the bank's step costs, measured by the time stage, not in this
-    # run: compare it with AR replayed at the same costs (the root-only tree), or a drift of the
-    # machine between the two runs would show up as speedup.
+    # run: compare it with AR priced by the same model (the bank's `ar_step_ms`; a bank without it:
+    # the root-only tree, which also pays the drafter every step), or a drift of the machine between
+    # the two runs would show up as speedup.
     root = [f["step_ms"] for t, f in zip(bank.trees, bank.figures) if t.num_nodes == 1]
-    ar_ref = 1000 / root[0] if root else ar_dec
+    ar_ms = bank.oracle.get("ar_step_ms") if isinstance(bank.oracle, dict) else None
+    ar_ref = 1000 / ar_ms if ar_ms else 1000 / root[0] if root else ar_dec
     oracle_row = {"method": "oracle (replayed)", "decode_tok_per_s": oracle_dec,
                   "tokens_per_step": oracle_tokens / max(oracle_steps, 1), "speedup_vs_ar": oracle_dec / ar_ref,
                   "replayed_tok_per_s": oracle_dec, "replayed_share_of_oracle": 1.0}
@@ -409,6 +411,10 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
             df.attrs["dynamic_check"] = check
         df["replayed_tok_per_s"] = df.method.map(replayed).fillna(df.get("replayed_tok_per_s"))
         df["replayed_share_of_oracle"] = df.replayed_tok_per_s / oracle_dec
+        # replayed and measured as ratios to AR, each at its own run's speed: where they part, the
+        # replay misprices a method (its decode ratio is decode_tok_per_s over AR's)
+        df["replayed_vs_ar"] = df.replayed_tok_per_s / ar_ref
+        df["decode_vs_ar"] = df.decode_tok_per_s / ar_dec
     if eagle2_policy is not None:   # (after the concatenations, which drop a frame's attrs)
         df.attrs["eagle2"] = eagle2_policy.settings.to_dict()
     return df, recs
@@ -473,9 +479,11 @@ def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
             f"{int(cfg.evaluate.max_new_tokens)} new tokens\n\n")
     cols = ["method", "tok_per_s", "decode_tok_per_s", "tokens_per_step", "speedup_vs_ar", "vs_hydra_default", "identical_to_ar", "ppl"]
     if "replayed_share_of_oracle" in df.columns:
-        cols += ["replayed_tok_per_s", "replayed_share_of_oracle"]
+        cols += ["replayed_tok_per_s", "replayed_share_of_oracle", "replayed_vs_ar", "decode_vs_ar"]
         head += ("replayed_tok_per_s: the bank's methods replayed on the AR continuations of these prompts at the "
-                 "bank's step costs, as the oracle is; replayed_share_of_oracle: its share of the oracle's.\n\n")
+                 "bank's step costs, as the oracle is; replayed_share_of_oracle: its share of the oracle's; "
+                 "replayed_vs_ar: the replay over AR priced by the same step-cost model; decode_vs_ar: the measured "
+                 "decode tok/s over AR's (the two part where the replay misprices a method).\n\n")
     e2 = df.attrs.get("eagle2")
     if e2 is not None:
         head += (f"{EAGLE2_LABEL}: EAGLE-2's dynamic tree (arXiv 2406.16858) drafted by the same drafter, depth "

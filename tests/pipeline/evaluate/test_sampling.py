@@ -99,3 +99,15 @@ def test_greedy_evaluate_has_no_sampling_rows() -> None:
     assert np.isnan(by.loc["EntMTP-l", "replayed_share_of_oracle"])
     assert by.loc["oracle (replayed)", "replayed_share_of_oracle"] == 1.0
     assert np.isnan(by.loc["AR", "replayed_tok_per_s"])  # not a bank method
+    # replayed and measured ratios to AR, each against its own run's AR (this bank has no root-only
+    # tree and records no AR step: the measured AR stands in)
+    assert all(t.num_nodes > 1 for t in BANK_TREES)
+    assert by.loc["EntMTP*", "replayed_vs_ar"] == pytest.approx(by.loc["EntMTP*", "replayed_tok_per_s"]
+                                                                / by.loc["AR", "decode_tok_per_s"])
+    assert by.loc["oracle (replayed)", "replayed_vs_ar"] == pytest.approx(by.loc["oracle (replayed)", "speedup_vs_ar"])
+    assert by.loc["AR", "decode_vs_ar"] == 1.0
+    bank = _tiny_bank()
+    bank.oracle = {"ar_step_ms": 4.0}   # a bank that records the runtime AR's modeled step: compared with it
+    df, _ = compare_methods(model, hydra, bank, [{"id": "p0", "input_ids": [1, 5, 9, 2]}], 24, rank_cap=10)
+    by = df.set_index("method")
+    assert by.loc["EntMTP*", "replayed_vs_ar"] == pytest.approx(by.loc["EntMTP*", "replayed_tok_per_s"] * 4.0 / 1000)
