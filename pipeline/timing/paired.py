@@ -30,8 +30,8 @@ the trees that can still change the decision, while an interval straddles it (`u
 a cap. The choice (`choose`): of the trees whose interval lies above 1 + `min_gain` (the lower
 bound beats AR by that much), the best median; otherwise AR. The margin keeps out a tree whose
 interval only grazes 1 (1.01x [1.00, 1.03]): a gain that small is within what the eval's own
-prompts move by, and the runtime's batched AR is the safe side of such a call. Across batch sizes the choices
-are kept monotone (`monotone_choices`): a larger B drafts no bigger tree than a smaller B chose,
+prompts move by, and the runtime's batched AR is the safe side of such a call. Across batch sizes
+the choices are kept monotone (`monotone_choices`): a larger B drafts no bigger tree than a smaller B chose,
 unless the per-round ratio of the bigger tree to the alternative says it is faster with confidence.
 
 EntMTP-dyn (`measure_dynamic`) is timed the same way against EntMTP* at batch size 1 (blocks S, D,
@@ -143,8 +143,8 @@ class Cell:
 
     def choose(self, nodes: Sequence[int], within: Sequence[int] | None = None) -> int | None:
         """The choice among `within` (default: every candidate): of the trees whose interval lies
-        above 1 + `min_gain`, the one of best median (the smaller on an equal one); None (AR) where no tree beats
-        AR with confidence. Not "the smallest tree not confidently slower than the best": whether
+        above 1 + `min_gain`, the one of best median (the smaller on an equal one); None (AR) where
+        no tree beats AR with confidence. Not "the smallest tree not confidently slower than the best": whether
         a pairwise difference of a few percent reaches confidence varies from build to build, so
         that rule swapped adjacent trees between rebuilds of one machine; two medians swap order
         only where the trees lie within each other's interval."""
