@@ -74,6 +74,10 @@ def test_bfloat16_on_the_torch_path_is_ar(weights: dict) -> None:
             assert res.tokens == ref, f"tree {k}"
             accepted += sum(s.accepted for s in res.steps)
     assert accepted > 0
+    # copies of one prompt share its prefill in a batch: each still AR, past the first key chunk
+    prompt = random_prompts(1, seed=7)[0]
+    ref = ar(dec, prompt)
+    assert all(res.tokens == ref for res in dec.generate_batch([prompt] * 3, N, choose=[1, 2, 0], eos_ids=()))
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
