@@ -142,7 +142,7 @@ def paired_candidate(entry: dict[str, Any], k: int) -> dict[str, Any] | None:
     return next((c for c in candidates or [] if isinstance(c, dict) and c.get("tree") == k), None)
 
 
-def _min_gain(entry: dict[str, Any]) -> float:
+def paired_min_gain(entry: dict[str, Any]) -> float:
     """The margin over AR the bank's paired rule asked of a chosen tree at one batch size (0 for a
     bank built before it recorded one)."""
     rec = entry.get("paired")
@@ -204,7 +204,7 @@ def check_bank(engine: EntMTP, seconds: float = DEFAULT_SECONDS, new_tokens: int
                             None if timed is None else stored_ratio(bank, entry, timed),
                             (paired["low"], paired["high"]) if paired is not None and _measured(paired.get("low"))
                             and _measured(paired.get("high")) else None,
-                            min_gain=_min_gain(entry))
+                            min_gain=paired_min_gain(entry))
         if timed is not None:
             batch = [ids[i % len(ids)] for i in range(b)]
 

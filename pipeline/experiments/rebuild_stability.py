@@ -32,6 +32,7 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_bytes
 from pipeline.paths import REPO_ROOT, Layout
+from runtime.check import paired_min_gain
 
 AR = None
 
@@ -42,11 +43,6 @@ def cell(doc: dict[str, Any], b: str) -> tuple[int | None, dict[int, tuple[float
     entry = doc["batch_sizes"][b]
     cands = (entry.get("paired") or {}).get("candidates", [])
     return entry.get("best_static"), {int(c["tree"]): (c["median"], c["low"], c["high"]) for c in cands}
-
-
-def min_gain(doc: dict[str, Any], b: str) -> float:
-    """The margin over AR the build's rule asked of a tree at batch size `b` (0 where not recorded)."""
-    return float((doc["batch_sizes"][b].get("paired") or {}).get("min_gain", 0.0))
 
 
 def _interval(choice: int | None, timed: dict[int, tuple[float, float, float]], gain: float) -> tuple[float, float] | None:
@@ -79,8 +75,8 @@ def verdicts(docs: Sequence[dict[str, Any]]) -> dict[str, tuple[list[int | None]
                     continue
                 # the builds of the pair that timed both choices (AR is always "timed": ratio 1)
                 judges = [k for k in (i, j) if all(c is AR or c in cells[k][1] for c in (choices[i], choices[j]))]
-                ok = ok and bool(judges) and all(within(choices[i], choices[j], cells[k][1], min_gain(docs[k], b))
-                                                 for k in judges)
+                ok = ok and bool(judges) and all(
+                    within(choices[i], choices[j], cells[k][1], paired_min_gain(docs[k]["batch_sizes"][b])) for k in judges)
         out[b] = (choices, "within intervals" if ok else "differs")
     return out
 
