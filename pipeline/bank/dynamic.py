@@ -88,22 +88,39 @@ def cost_rows_limit(cost_model: Any) -> int:
     return int(max(cost_model.verify_rows))
 
 
+def prompt_speedup_draws(rollouts: list[dict], scores: Sequence[Any], policy: Any, static_prompt_seconds: Sequence[float],
+                         rank_cap: int | None = None) -> Any:
+    """`pipeline.timing.paired.acceptance_draws` of dyn's replayed speed-up over EntMTP* (EntMTP*'s
+    seconds over dyn's, the same tokens on both sides) across the calibration prompts: [draws]."""
+    from pipeline.replay.dynamic import replay_dynamic
+    from pipeline.timing.paired import acceptance_draws
+
+    if len(static_prompt_seconds) != len(rollouts):
+        raise ValueError(f"{len(rollouts)} rollouts but EntMTP*'s seconds on {len(static_prompt_seconds)} prompts")
+    dyn = [replay_dynamic([r], [sc], policy, rank_cap).time_s if len(r["rank_paths"]) > 1 else 0.0
+           for r, sc in zip(rollouts, scores)]
+    return acceptance_draws([list(static_prompt_seconds)], [dyn])[:, 0]
+
+
 def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any, context: float,
                   oracle_tok_per_s: float | None, rank_cap: int | None = None, calibrate: bool = True,
-                  stop_below: Sequence[float] = (0.0,), price: Callable[[Any, float], DynamicCell] | None = None,
-                  static_tok_per_s: float | None = None) -> dict[str, Any] | None:
+                  stop_below: Sequence[float] = (0.0,), price: Callable[..., DynamicCell] | None = None,
+                  static_tok_per_s: float | None = None,
+                  static_prompt_seconds: Sequence[float] | None = None) -> dict[str, Any] | None:
     """The bank's `dynamic` entry: `fit_dynamic` over the scored candidates (`pipeline.rollout.
     load_scores`) that the cost model covers and the early-stop thresholds `stop_below`, with the
     replayed share of the bank's oracle and of the super-tree's hindsight ceiling ("ceiling");
     None when no candidate is left.
 
-    With `price` (`price(policy, replay_ratio)`: the fitted `DynamicPolicy` timed against EntMTP*,
-    `pipeline.timing.paired.measure_dynamic`) and EntMTP*'s replayed tok/s, dyn is priced as it runs:
+    With `price` (`price(policy, replay_ratio, acceptance)`: the fitted `DynamicPolicy` timed against
+    EntMTP*, `pipeline.timing.paired.measure_dynamic`) and EntMTP*'s replayed tok/s, dyn is priced as it runs:
     the cost per step the model leaves out (its scheduling, its scored drafting; measured paired
     against EntMTP*) is added to every step cost and the fit is run again, so its replayed figures,
     its subset sizes and its early-stop threshold pay for it; the refitted policy is timed again and
     the entry records that measurement under "paired" (`offered`: its interval against EntMTP*
-    lies above 1 + the paired settings' `min_gain`)."""
+    lies above 1 + the paired settings' `min_gain`). With `static_prompt_seconds` (EntMTP*'s replayed
+    seconds on each calibration prompt) that interval also resamples the prompts behind dyn's
+    replayed speed-up (`prompt_speedup_draws`)."""
     from pipeline.bank.policies import fit_dynamic
     from pipeline.replay.dynamic import dynamic_ceiling
     from runtime.dynamic import MAX_SUPER_NODES, DynamicPolicy
@@ -125,16 +142,22 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
 
     fitted = fit(0.0)
     paired = None
+    def draws(f: dict[str, Any]) -> Any:
+        if static_prompt_seconds is None:
+            return None
+        s = next(s for s in keep if Tree(scores["super_trees"][s]) == Tree(f["super_tree"]))
+        return prompt_speedup_draws(rollouts, scores["scores"][s], policy_of(f), static_prompt_seconds, rank_cap)
+
     if price is not None and static_tok_per_s:
-        first = price(policy_of(fitted), fitted["replay"]["tokens_per_second"] / static_tok_per_s)
+        first = price(policy_of(fitted), fitted["replay"]["tokens_per_second"] / static_tok_per_s, draws(fitted))
         # a negative excess (dyn's steps cheaper than modeled, relative to EntMTP*'s) is model error,
         # not a cost of running dyn: nothing is taken off
         added = max(0.0, first.overhead())
         fitted = fit(added)
         ratio = fitted["replay"]["tokens_per_second"] / static_tok_per_s
         # "overhead_ms" of the record: what the priced policy still leaves unpriced (near 0 when priced right)
-        paired = {**price(policy_of(fitted), ratio).record(ratio), "measured_overhead_ms": first.overhead(),
-                  "priced_overhead_ms": added}
+        paired = {**price(policy_of(fitted), ratio, draws(fitted)).record(ratio),
+                  "measured_overhead_ms": first.overhead(), "priced_overhead_ms": added}
     tps = fitted["replay"]["tokens_per_second"]
     fitted["replay"]["share_of_oracle"] = tps / oracle_tok_per_s if oracle_tok_per_s and tps else None
     # what the fitted super-tree allows at best (`pipeline.replay.dynamic_ceiling`): the bound on

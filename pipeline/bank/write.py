@@ -12,10 +12,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from pipeline.artifacts import save_figure  # noqa: E402
+from pipeline.replay.accept import prompt_replays  # noqa: E402
 from pipeline.rollout.record import load_rollout  # noqa: E402
 from pipeline.bank.selection import (apply_paired, bank_members, batch_choices, batch_replays,  # noqa: E402
                                      paired_candidates, throughput_hull)
-from pipeline.timing.paired import PairedRun, dynamic_blocks, measure_choices, measure_dynamic  # noqa: E402
+from pipeline.timing.paired import (  # noqa: E402
+    PairedRun, acceptance_draws, dynamic_blocks, measure_choices, measure_dynamic,
+)
 from runtime.bank import TopologyBank  # noqa: E402
 from runtime.decoder import HEAD_SIGNALS  # noqa: E402
 from runtime.tree import Tree  # noqa: E402
@@ -71,11 +74,13 @@ def build_bank(
     # the trees chosen at each batch size
     batch = batch_choices(timing["batch"], [kept[k] for k in chosen], [t.num_nodes for t in trees], best, tie_tolerance)
     decoder = None if paired is None else paired.decoder(trees)
+    # each tree's tokens and steps per calibration prompt: the paired intervals resample the prompts
+    prompt_tokens, prompt_steps = prompt_replays(rollouts, trees)
     if paired is not None:
         nodes, tps = [t.num_nodes for t in trees], [f["tokens_per_step"] for f in figures]
         cells = measure_choices(decoder, paired.prompts,
                                 paired_candidates(batch, nodes, tps, paired.settings), tps, paired.settings,
-                                paired.sampler, paired.progress)
+                                paired.sampler, paired.progress, acceptance_draws(prompt_tokens, prompt_steps))
         apply_paired(batch, cells, nodes, tps, paired.settings)
         # one convention at batch size 1: EntMTP* is the tree the paired rounds chose there (where
         # they chose one), so `generate` and `generate_batch` of one prompt decode alike
@@ -98,15 +103,16 @@ def build_bank(
         price = None
         if paired is not None:  # dyn timed against EntMTP* (the static tree) at batch size 1
 
-            def price(policy: Any, replay_ratio: float) -> Any:
+            def price(policy: Any, replay_ratio: float, acceptance: Any = None) -> Any:
                 run = dynamic_blocks(decoder, paired.prompts[:paired.settings.prompts], best, figures[best]["step_ms"],
                                      policy, paired.settings.new_tokens, paired.sampler)
-                return measure_dynamic(run, replay_ratio, paired.settings, paired.progress)
+                return measure_dynamic(run, replay_ratio, paired.settings, paired.progress, acceptance)
 
         dyn = build_dynamic(rollouts, load_scores(dynamic["scores_dir"], rollouts), dynamic["cost_model"],
                             timing["cost_model"]["reference_context"], fitted["oracle"].get("tokens_per_second"),
                             calibrate=bool(dynamic.get("calibrate", True)), stop_below=dynamic.get("stop_below", (0.0,)),
-                            price=price, static_tok_per_s=fitted["policies"]["static"]["replay"]["tokens_per_second"])
+                            price=price, static_tok_per_s=fitted["policies"]["static"]["replay"]["tokens_per_second"],
+                            static_prompt_seconds=prompt_steps[best] * step_costs[best])
     bank = TopologyBank(trees=trees, figures=figures, best_static=best, policies=policies, default_policy=default,
                         oracle=fitted["oracle"], provenance={**provenance, "fit": {n: f.get("replay") for n, f in fitted["policies"].items()},
                                                               "ar_tok_per_s": timing["ar_tok_per_s"]},

@@ -286,7 +286,7 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
     On a row-invariant model (`lossless: exact`) AR is also timed in the ordinary arithmetic, the
     speed that invariance is paid against."""
     from pipeline.evaluate.sampling import distribution_columns, typical_decoders
-    from pipeline.replay.accept import accept_lengths
+    from pipeline.replay.accept import accept_lengths, replay_tree
     from pipeline.replay.dynamic import dynamic_ceiling, replay_dynamic
     from pipeline.replay.oracle import oracle_schedule
     from pipeline.rollout.record import rollout_prompt
@@ -415,6 +415,13 @@ def compare_methods(model, hydra, bank, rows: list[dict], n_new: int, rank_cap: 
         # replay misprices a method (its decode ratio is decode_tok_per_s over AR's)
         df["replayed_vs_ar"] = df.replayed_tok_per_s / ar_ref
         df["decode_vs_ar"] = df.decode_tok_per_s / ar_dec
+        # the bank's prediction: EntMTP*'s step against the runtime's AR as its paired rounds timed it
+        # at batch size 1, times each method's replay relative to EntMTP*'s on these prompts, so the
+        # step-cost model prices methods only against EntMTP* (where most of its error cancels)
+        step_ratio = paired_step_ratio(bank)
+        if step_ratio is not None and replayed.get("EntMTP*"):
+            star_tps = replay_tree(rollouts, bank.trees[bank.best_static], rank_cap).tokens_per_step
+            df["predicted_vs_ar"] = df.replayed_tok_per_s / replayed["EntMTP*"] * star_tps * step_ratio
     if eagle2_policy is not None:   # (after the concatenations, which drop a frame's attrs)
         df.attrs["eagle2"] = eagle2_policy.settings.to_dict()
     return df, recs
@@ -453,6 +460,18 @@ def dynamic_check(replay, rollouts: list[dict], recs: list[dict], ar_tokens: dic
     return out
 
 
+def paired_step_ratio(bank) -> float | None:
+    """AR's step time over EntMTP*'s tree step, as the bank's paired rounds at batch size 1 timed
+    them against the runtime's AR (their median ratio over the tree's calibration tokens/step), or
+    None where the bank has no such timing of EntMTP*'s tree."""
+    from runtime.check import paired_candidate
+
+    entry = (bank.batch_schedule or {}).get("1")
+    c = paired_candidate(entry, bank.best_static) if isinstance(entry, dict) else None
+    tps = bank.figures[bank.best_static].get("tokens_per_step")
+    return c["median"] / tps if c and tps else None
+
+
 def replayed_methods(bank, rollouts: list[dict], costs: list[float], rank_cap: int) -> dict[str, float]:
     """Replayed tokens/s of EntMTP* and of every fitted policy whose signal reads no heads (a head
     signal's per-step extra is not in the bank's step costs) on `rollouts`, keyed by method label."""
@@ -484,6 +503,11 @@ def table_markdown(df: pd.DataFrame, cfg: DictConfig, dtype: str) -> str:
                  "bank's step costs, as the oracle is; replayed_share_of_oracle: its share of the oracle's; "
                  "replayed_vs_ar: the replay over AR priced by the same step-cost model; decode_vs_ar: the measured "
                  "decode tok/s over AR's (the two part where the replay misprices a method).\n\n")
+    if "predicted_vs_ar" in df.columns:
+        cols.append("predicted_vs_ar")
+        head += ("predicted_vs_ar: the bank's prediction, EntMTP*'s step against AR's as the bank's paired rounds "
+                 "timed it at batch size 1, times each method's replayed tok/s relative to EntMTP*'s on these "
+                 "prompts.\n\n")
     e2 = df.attrs.get("eagle2")
     if e2 is not None:
         head += (f"{EAGLE2_LABEL}: EAGLE-2's dynamic tree (arXiv 2406.16858) drafted by the same drafter, depth "

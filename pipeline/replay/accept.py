@@ -241,6 +241,19 @@ def replay_tokens_per_step(
     return tokens / steps
 
 
+def prompt_replays(rollouts: dict | Sequence[dict], trees: Sequence[Any], rank_cap: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """([trees, prompts] tokens, [trees, prompts] steps) of each fixed tree's replay on each prompt:
+    the parts `replay_tree` pools, kept apart so the prompts can be resampled."""
+    index = PrefixIndex(rollouts, rank_cap)
+    tokens, steps = [], []
+    for tree in trees:
+        accepts = index.accept(tree)
+        tokens.append([max(len(a) - 1, 0) for a in accepts])
+        steps.append([len(walk(a)) for a in accepts])
+    return np.asarray(tokens, dtype=np.int64), np.asarray(steps, dtype=np.int64)
+
+
 @dataclass
 class TreeReplay:
     steps: int

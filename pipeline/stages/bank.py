@@ -28,6 +28,9 @@ from pipeline.stages.prepare import rows_hash, split_rows
 log = logging.getLogger(__name__)
 
 READS = ("bank", "sampling", "acceptance")  # the last two: how the paired timing decodes
+# how the paired intervals are read (`pipeline.timing.paired`): a bank built under another rule is
+# rebuilt. 2: the intervals resample the calibration prompts behind the tokens/step as well
+CHOICE_RULE = 2
 
 
 def policy_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -52,7 +55,8 @@ def output(cfg: DictConfig) -> Path:
            "rollout": output_digest(rollout_dir)}
     # the choices per batch size are timed here, paired against batched AR (`pipeline.timing.paired`)
     paired_rows = split_rows(cfg, "calib", int(cfg.bank.paired_prompts))
-    key.update({"paired_prompts": rows_hash(paired_rows), "machine": machine_key(str(cfg.device))})
+    key.update({"paired_prompts": rows_hash(paired_rows), "machine": machine_key(str(cfg.device)),
+                "choice_rule": CHOICE_RULE})
     scores_dir = scores_stage.output(cfg) if scores_stage.wanted(cfg) else None  # EntMTP-dyn's inputs
     if scores_dir is not None:
         key.update({"dynamic": plain(cfg.dynamic), "scores": output_digest(scores_dir)})

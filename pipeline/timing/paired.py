@@ -26,8 +26,12 @@ prompt rotates over the rounds.
 
 Each tree's per-round ratios give a median and a seeded bootstrap interval of it (`runtime.check.
 median_interval`, the statistic `entmtp inspect --check` reports); rounds continue, with AR and only
-the trees that can still change the decision, while an interval straddles it (`undecided`), up to
-a cap. The choice (`choose`): of the trees whose interval lies above 1 + `min_gain` (the lower
+the trees that can still change the decision, while that timing interval straddles it (`undecided`),
+up to a cap. The interval the choice reads (`joint_interval`) also resamples the calibration
+prompts behind the tokens/step (`acceptance_draws`): the replayed tokens/step is a mean over a few
+prompts whose acceptance spreads by 3-15% a prompt, so a tree that times 5% faster than AR can lose
+to it on other prompts of the same task. More rounds cannot narrow that part; more
+calibration prompts can. The choice (`choose`): of the trees whose interval lies above 1 + `min_gain` (the lower
 bound beats AR by that much), the best median; otherwise AR. The margin keeps out a tree whose
 interval only grazes 1 (1.01x [1.00, 1.03]): a gain that small is within what the eval's own
 prompts move by, and the runtime's batched AR is the safe side of such a call. Across batch sizes
@@ -47,7 +51,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from runtime.check import LEVEL, median_interval
+
+RESAMPLES = 2000  # bootstrap draws of every interval here (as `runtime.check.median_interval`)
 
 # what a record's ratio is (bank.json "batch_sizes"[B]["paired"]["ratio"]); the evaluate stage's
 # `decode_vs_batched_ar` is the same ratio measured on the eval split (its own acceptance)
@@ -92,6 +100,43 @@ class PairedSettings:
         return cls(**{f: kind(bank[f"paired_{f}"]) for f, kind in kinds.items() if f"paired_{f}" in bank})
 
 
+def acceptance_draws(num: Sequence[Sequence[float]], den: Sequence[Sequence[float]], resamples: int = RESAMPLES,
+                     seed: int = 0) -> np.ndarray:
+    """[resamples, arms]: per bootstrap draw of the prompts (one draw shared by every arm, so two
+    arms stay paired), each arm's pooled ratio sum(num) / sum(den) over the drawn prompts divided
+    by its value over all of them. `num[a][p]`, `den[a][p]`: arm a's figures on prompt p (tokens
+    and steps of a tree's replay: its tokens/step; EntMTP*'s and dyn's replayed seconds: dyn's
+    speed-up). Seeded: the same figures always give the same draws."""
+    n = np.asarray(num, dtype=np.float64)
+    d = np.asarray(den, dtype=np.float64)
+    if n.ndim != 2 or n.shape != d.shape or n.shape[1] < 1:
+        raise ValueError(f"acceptance draws need [arms, prompts] figures of one shape, got {n.shape} and {d.shape}")
+    if not (d.sum(axis=1) > 0).all():
+        raise ValueError("every arm needs a positive denominator over the prompts")
+    pick = np.random.default_rng(seed).integers(0, n.shape[1], size=(resamples, n.shape[1]))
+    drawn = n[:, pick].sum(axis=2) / np.maximum(d[:, pick].sum(axis=2), 1e-300)   # [arms, resamples]
+    return (drawn / (n.sum(axis=1) / d.sum(axis=1))[:, None]).T
+
+
+def joint_interval(ratios: Sequence[float], factors: np.ndarray | None = None, level: float = LEVEL,
+                   seed: int = 0) -> tuple[float, float, float]:
+    """(median, low, high) of the rounds' ratios, the interval resampling the rounds and, with
+    `factors` (one column of `acceptance_draws`), the prompts behind the tokens/step at the same
+    time: draw i is the median of resampled rounds times factors[i]. Without factors it is
+    `runtime.check.median_interval`."""
+    if factors is None:
+        return median_interval(ratios, level)
+    if not len(ratios):
+        raise ValueError("no ratios: time at least one round")
+    r = np.asarray(ratios, dtype=np.float64)
+    f = np.asarray(factors, dtype=np.float64)
+    pick = np.random.default_rng(seed).integers(0, len(r), size=(len(f), len(r)))
+    meds = np.sort(np.median(r[pick], axis=1) * f)
+    tail = int((1 - level) / 2 * len(f))
+    med = float(np.median(r))
+    return med, min(float(meds[tail]), med), max(float(meds[len(f) - 1 - tail]), med)
+
+
 def round_order(trees: Sequence[int]) -> list[int | None]:
     """The blocks of one round: AR (None), the trees, the trees backwards, AR."""
     return [None, *trees, *reversed(trees), None]
@@ -123,19 +168,26 @@ class Cell:
     rounds: list[dict[int, float]] = field(default_factory=list)
     level: float = LEVEL
     min_gain: float = 0.0                              # a chosen tree's interval lies above 1 + min_gain
+    # `acceptance_draws` of every bank tree's tokens/step over the calibration prompts ([draws,
+    # trees], bank order); None: the intervals cover the timing alone
+    acceptance: np.ndarray | None = None
 
     def ratios(self, k: int) -> list[float]:
         return [r[k] for r in self.rounds if k in r]
 
-    def interval(self, k: int) -> tuple[float, float, float]:
-        """Tree k's (median, low, high) ratio to AR."""
-        return median_interval(self.ratios(k), self.level)
+    def interval(self, k: int, timing_only: bool = False) -> tuple[float, float, float]:
+        """Tree k's (median, low, high) ratio to AR: the rounds and the calibration prompts
+        resampled (`joint_interval`), or the rounds alone."""
+        f = None if timing_only or self.acceptance is None else self.acceptance[:, k]
+        return joint_interval(self.ratios(k), f, self.level)
 
-    def versus(self, i: int, j: int) -> tuple[float, float, float]:
+    def versus(self, i: int, j: int, timing_only: bool = False) -> tuple[float, float, float]:
         """(median, low, high) of tree i's ratio to tree j over the rounds that timed both: the AR
-        blocks cancel, so this is the pairwise comparison, tighter than two intervals against AR."""
+        blocks cancel, so this is the pairwise comparison, tighter than two intervals against AR
+        (and both trees' tokens/step come from one draw of the prompts)."""
         both = [r[i] / r[j] for r in self.rounds if i in r and j in r]
-        return median_interval(both, self.level)
+        f = None if timing_only or self.acceptance is None else self.acceptance[:, i] / self.acceptance[:, j]
+        return joint_interval(both, f, self.level)
 
     def faster(self, i: int, j: int) -> bool:
         """Whether tree i is faster than tree j with confidence (their ratio's interval above 1)."""
@@ -155,25 +207,29 @@ class Cell:
         return max(eligible, key=lambda k: (self.interval(k)[0], -nodes[k], -k))
 
     def undecided(self, nodes: Sequence[int]) -> list[int]:
-        """The trees more rounds should time: where AR is chosen, those whose interval straddles 1;
-        where a tree is, that tree and every other tree not confidently faster or slower than it
-        (either could still become the choice). Empty when the decision stands."""
+        """The trees more rounds should time: where AR is chosen, those whose timing interval
+        straddles 1 + min_gain; where a tree is, that tree and every other tree not confidently
+        faster or slower than it by timing (either could still become the choice). Empty when the
+        decision stands. Timing intervals only: rounds narrow those, not the calibration prompts' part."""
         c = self.choose(nodes)
         if c is None:
             bar = 1.0 + self.min_gain
-            return [k for k in self.trees if self.interval(k)[1] <= bar <= self.interval(k)[2]]
-        open_ = [k for k in self.trees if k != c and self.versus(c, k)[1] <= 1.0 <= self.versus(c, k)[2]]
+            return [k for k in self.trees
+                    if self.interval(k, True)[1] <= bar <= self.interval(k, True)[2]]
+        open_ = [k for k in self.trees
+                 if k != c and self.versus(c, k, True)[1] <= 1.0 <= self.versus(c, k, True)[2]]
         return [c, *open_] if open_ else []
 
 
 def measure_cell(run_block: Callable[[int | None, int], Block], batch_size: int, trees: Sequence[int],
                  tokens_per_step: Mapping[int, float], nodes: Sequence[int], settings: PairedSettings,
-                 progress: Callable[[], None] | None = None) -> Cell:
+                 progress: Callable[[], None] | None = None, acceptance: np.ndarray | None = None) -> Cell:
     """Time `trees` against AR at one batch size: `run_block(arm, round)` decodes the batch with
     tree `arm` (None: AR) on round `round`'s prompt and returns its `Block`. One untimed block per
     side first; then `settings.min_rounds` rounds of every tree, then rounds of AR and the
-    `undecided` trees while there are any, `settings.max_rounds` rounds in all at most."""
-    cell = Cell(batch_size, list(trees), level=settings.level, min_gain=settings.min_gain)
+    `undecided` trees while there are any, `settings.max_rounds` rounds in all at most.
+    `acceptance`: `Cell.acceptance`."""
+    cell = Cell(batch_size, list(trees), level=settings.level, min_gain=settings.min_gain, acceptance=acceptance)
     if not trees:
         return cell
     for arm in [None, *trees]:
@@ -233,7 +289,8 @@ def cell_record(cell: Cell, choice: int | None, unconstrained: int | None, model
         cands.append({"tree": k, "median": med, "low": low, "high": high, "rounds": len(cell.ratios(k)),
                       "model_ratio": model_ratio.get(k)})
     rec: dict[str, Any] = {"ratio": RATIO, "level": settings.level, "min_gain": settings.min_gain,
-                           "new_tokens": settings.new_tokens, "rounds": len(cell.rounds), "candidates": cands}
+                           "new_tokens": settings.new_tokens, "rounds": len(cell.rounds), "candidates": cands,
+                           "interval": "rounds" if cell.acceptance is None else "rounds and calibration prompts"}
     if unconstrained != choice:
         rec["unconstrained"] = unconstrained   # what the batch size alone chose, before `monotone_choices`
     return rec
@@ -270,14 +327,15 @@ def decoder_blocks(decoder: Any, prompts: Sequence[Sequence[int]], batch_size: i
 
 def measure_choices(decoder: Any, prompts: Sequence[Sequence[int]], candidates: Mapping[int, Sequence[int]],
                     tokens_per_step: Sequence[float], settings: PairedSettings, sampler: Any = None,
-                    progress: Callable[[], None] | None = None) -> dict[int, Cell]:
+                    progress: Callable[[], None] | None = None, acceptance: np.ndarray | None = None) -> dict[int, Cell]:
     """The paired measurement of a bank's choices: {B: `Cell`} for `candidates` {B: indices of the
     trees of `decoder` (a `runtime.decoder.TreeDecoder` over the bank's trees, in bank order) to
-    time at B}, on `prompts` (token ids), each tree at its bank `tokens_per_step`."""
+    time at B}, on `prompts` (token ids), each tree at its bank `tokens_per_step`; `acceptance`:
+    `Cell.acceptance`."""
     nodes = [t.num_nodes for t in decoder.trees]
     tps = dict(enumerate(tokens_per_step))
     return {b: measure_cell(decoder_blocks(decoder, prompts[:settings.prompts], b, settings.new_tokens, sampler), b,
-                            list(trees), tps, nodes, settings, progress)
+                            list(trees), tps, nodes, settings, progress, acceptance)
             for b, trees in sorted(candidates.items())}
 
 
@@ -316,9 +374,13 @@ class DynamicCell:
     overhead_ms: list[float] = field(default_factory=list)
     level: float = LEVEL
     min_gain: float = 0.0   # dyn is offered where its interval lies above 1 + this (as a tree over AR)
+    # `acceptance_draws` of dyn's replayed speed-up over EntMTP* across the calibration prompts
+    # ([draws]); None: the interval covers the timing alone
+    acceptance: np.ndarray | None = None
 
-    def interval(self) -> tuple[float, float, float]:
-        return median_interval(self.ratios, self.level)
+    def interval(self, timing_only: bool = False) -> tuple[float, float, float]:
+        """(median, low, high): the rounds and the calibration prompts resampled, or the rounds alone."""
+        return joint_interval(self.ratios, None if timing_only else self.acceptance, self.level)
 
     def overhead(self) -> float:
         """The median over rounds of dyn's unpriced ms per step."""
@@ -328,6 +390,7 @@ class DynamicCell:
         """What the bank's `dynamic` entry holds under "paired" (`runtime.bank` reads it back)."""
         med, low, high = self.interval()
         return {"versus": "EntMTP*", "median": med, "low": low, "high": high, "rounds": len(self.ratios),
+                "interval": "rounds" if self.acceptance is None else "rounds and calibration prompts",
                 "level": self.level, "min_gain": self.min_gain, "replay_ratio": replay_ratio,
                 "overhead_ms": self.overhead(), "offered": low > 1.0 + self.min_gain}
 
@@ -354,15 +417,15 @@ def dynamic_round(blocks: Sequence[tuple[bool, PricedBlock]], replay_ratio: floa
 
 
 def measure_dynamic(run_block: Callable[[bool, int], PricedBlock], replay_ratio: float, settings: PairedSettings,
-                    progress: Callable[[], None] | None = None) -> DynamicCell:
+                    progress: Callable[[], None] | None = None, acceptance: np.ndarray | None = None) -> DynamicCell:
     """Rounds of blocks EntMTP*, dyn, dyn, EntMTP* (`run_block(dyn, round)`), one untimed block of
-    each first; `settings.min_rounds`, then more while the ratio's interval straddles 1 +
-    `settings.min_gain`, at most `settings.max_rounds`."""
-    cell = DynamicCell(level=settings.level, min_gain=settings.min_gain)
+    each first; `settings.min_rounds`, then more while the ratio's timing interval straddles 1 +
+    `settings.min_gain`, at most `settings.max_rounds`. `acceptance`: `DynamicCell.acceptance`."""
+    cell = DynamicCell(level=settings.level, min_gain=settings.min_gain, acceptance=acceptance)
     run_block(False, 0), run_block(True, 0)  # warm-up
     while len(cell.ratios) < settings.max_rounds:
         if len(cell.ratios) >= settings.min_rounds:
-            _, low, high = cell.interval()
+            _, low, high = cell.interval(timing_only=True)
             if not low <= 1.0 + cell.min_gain <= high:
                 break
         r = len(cell.ratios)

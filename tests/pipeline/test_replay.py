@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.replay.policy import BankReplay, replay_policy
-from pipeline.replay.accept import PrefixIndex, accept_lengths, rank_cap_of, replay_tokens_per_step, replay_tree, step_tokens, walk
+from pipeline.replay.accept import (PrefixIndex, accept_lengths, prompt_replays, rank_cap_of, replay_tokens_per_step,
+                                   replay_tree, step_tokens, walk)
 from pipeline.replay.oracle import oracle_replay, oracle_schedule
 from tests.helpers import synthetic_rollouts
 from runtime.policy import (
@@ -179,6 +180,17 @@ def test_static_policy_replay_equals_tree_replay() -> None:
         assert rep.tree_steps.tolist() == [ref.steps if j == k else 0 for j in range(len(bank))]
         assert rep.time_s == pytest.approx(ref.steps * costs[k])
         assert rep.tokens_per_second == pytest.approx(ref.tokens / (ref.steps * costs[k]))
+
+
+def test_per_prompt_replays_pool_to_the_tree_replay() -> None:
+    rolls = synthetic_rollouts(4, 60, 4, rank_cap=6, seed=3)
+    bank = _bank()
+    tokens, steps = prompt_replays(rolls, bank)
+    assert tokens.shape == steps.shape == (len(bank), 4)
+    for k, tree in enumerate(bank):
+        ref = replay_tree(rolls, tree)
+        assert (int(tokens[k].sum()), int(steps[k].sum())) == (ref.tokens, ref.steps)
+        assert steps[k].tolist() == [replay_tree([r], tree).steps for r in rolls]
 
 
 def test_hysteresis_replay_hand_example() -> None:

@@ -111,3 +111,15 @@ def test_greedy_evaluate_has_no_sampling_rows() -> None:
     df, _ = compare_methods(model, hydra, bank, [{"id": "p0", "input_ids": [1, 5, 9, 2]}], 24, rank_cap=10)
     by = df.set_index("method")
     assert by.loc["EntMTP*", "replayed_vs_ar"] == pytest.approx(by.loc["EntMTP*", "replayed_tok_per_s"] * 4.0 / 1000)
+    assert "predicted_vs_ar" not in df.columns   # no paired timing of EntMTP*'s tree at batch size 1
+    # a bank whose paired rounds timed EntMTP*'s tree at 1.3x batched AR over its calibration
+    # tokens/step: AR's step over the tree's is 1.3 / that; each method is predicted relative to EntMTP*
+    best = bank.best_static
+    bank.batch_schedule = {"1": {"paired": {"candidates": [{"tree": best, "median": 1.3, "low": 1.2, "high": 1.4}]}}}
+    df, _ = compare_methods(model, hydra, bank, [{"id": "p0", "input_ids": [1, 5, 9, 2]}], 24, rank_cap=10)
+    by = df.set_index("method")
+    step_ratio = 1.3 / bank.figures[best]["tokens_per_step"]
+    assert by.loc["EntMTP*", "predicted_vs_ar"] == pytest.approx(by.loc["EntMTP*", "tokens_per_step"] * step_ratio)
+    assert by.loc["EntMTPτ", "predicted_vs_ar"] == pytest.approx(
+        by.loc["EntMTPτ", "replayed_tok_per_s"] / by.loc["EntMTP*", "replayed_tok_per_s"]
+        * by.loc["EntMTP*", "tokens_per_step"] * step_ratio)

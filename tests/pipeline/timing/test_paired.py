@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 import runtime.ar
-from pipeline.timing.paired import (Block, Cell, PairedSettings, PricedBlock, candidates_at, dynamic_blocks,
+from pipeline.timing.paired import (Block, Cell, PairedSettings, PricedBlock, acceptance_draws, candidates_at,
+                                    dynamic_blocks, joint_interval,
                                     dynamic_round, measure_cell, measure_choices, measure_dynamic, monotone_choices,
                                     round_order, round_ratios)
 from runtime.decoder import TreeDecoder
@@ -160,6 +162,34 @@ def test_a_tree_whose_interval_only_grazes_one_leaves_the_batch_size_to_ar() -> 
     assert Cell(8, [1], rounds).choose(NODES) == 1   # no margin: the old rule took it
     clear = Cell(8, [1], [{1: 1.10}, {1: 1.12}, {1: 1.09}, {1: 1.11}], min_gain=0.02)
     assert clear.choose(NODES) == 1 and clear.undecided(NODES) == []
+
+
+def test_acceptance_draws_resample_prompts_once_for_every_arm() -> None:
+    tokens = [[90, 90, 90, 90], [90, 90, 90, 90], [90, 90, 90, 90]]
+    steps = [[60, 60, 60, 60], [50, 70, 55, 65], [50, 70, 55, 65]]
+    d = acceptance_draws(tokens, steps)
+    assert d.shape == (2000, 3) and (d[:, 0] == 1.0).all()          # the same tokens/step everywhere
+    assert d[:, 1].min() < 0.97 and d[:, 1].max() > 1.03            # a spread over prompts shows
+    assert (d[:, 1] == d[:, 2]).all()                                # one draw of prompts for every arm
+    assert (acceptance_draws(tokens, steps) == d).all()              # seeded
+    with pytest.raises(ValueError, match="one shape"):
+        acceptance_draws(tokens, steps[:2])
+
+
+def test_the_interval_widens_by_the_calibration_prompts_spread_and_rounds_do_not_narrow_it() -> None:
+    ratios = [1.05, 1.052, 1.049, 1.051, 1.05, 1.048]
+    assert joint_interval(ratios) == pytest.approx(cell_of([{1: r} for r in ratios]).interval(1))
+    spread = acceptance_draws([[90] * 10] * 2, [[60] * 10, [52, 68, 56, 64, 54, 66, 58, 62, 57, 63]])
+    med, low, high = joint_interval(ratios, spread[:, 1])
+    assert med == 1.05 and low < 1.02 < 1.08 < high
+    # a B = 8 cell as HumanEval's builds timed it: 1.05x tight by timing, but its tokens/step is a
+    # mean over 10 prompts: AR is chosen, and no more rounds are asked for (they cannot narrow it)
+    cell = Cell(8, [1], [{1: r} for r in ratios], min_gain=0.02, acceptance=spread)
+    assert cell.interval(1, timing_only=True)[1] > 1.04 and cell.choose(NODES) is None and cell.undecided(NODES) == []
+    assert Cell(8, [1], [{1: r} for r in ratios], min_gain=0.02).choose(NODES) == 1
+    # two trees on one draw of prompts: their pairwise interval keeps the pairing
+    both = Cell(1, [1, 2], [{1: r, 2: r * 1.2} for r in ratios], acceptance=np.stack([spread[:, 1]] * 3, axis=1))
+    assert both.versus(2, 1) == pytest.approx((1.2, 1.2, 1.2)) and both.faster(2, 1)
 
 
 def test_choices_stay_monotone_in_the_batch_size_unless_confidently_faster() -> None:
