@@ -26,13 +26,14 @@ prompt rotates over the rounds.
 
 Each tree's per-round ratios give a median and a seeded bootstrap interval of it (`runtime.check.
 median_interval`, the statistic `entmtp inspect --check` reports); rounds continue, with AR and only
-the trees that can still change the decision, while that timing interval straddles it (`undecided`),
-up to a cap. The interval the choice reads (`joint_interval`) also resamples the calibration
-prompts behind the tokens/step (`acceptance_draws`): the replayed tokens/step is a mean over a few
-prompts whose acceptance spreads by 3-15% a prompt, so a tree that times 5% faster than AR can lose
-to it on other prompts of the same task. More rounds cannot narrow that part; more
-calibration prompts can. The choice (`choose`): of the trees whose interval lies above 1 + `min_gain` (the lower
-bound beats AR by that much), the best median; otherwise AR. The margin keeps out a tree whose
+the trees that can still change the decision, while an interval straddles it (`undecided`),
+up to a cap. The interval (`joint_interval`) also resamples the calibration prompts behind the
+tokens/step (`acceptance_draws`): the replayed tokens/step is a mean over a few prompts whose
+acceptance spreads by 3-15% a prompt, so a tree that times 5% faster than AR can lose to it on
+other prompts of the same task. More rounds cannot narrow that part (more calibration prompts
+can); it is the same in every rebuild, so a close call timed to the cap is left to it. The choice
+(`choose`): of the trees whose interval lies above 1 + `min_gain` (the lower bound beats AR by
+that much), the best median; otherwise AR. The margin keeps out a tree whose
 interval only grazes 1 (1.01x [1.00, 1.03]): a gain that small is within what the eval's own
 prompts move by, and the runtime's batched AR is the safe side of such a call. Across batch sizes
 the choices are kept monotone (`monotone_choices`): a larger B drafts no bigger tree than a smaller B chose,
@@ -175,18 +176,17 @@ class Cell:
     def ratios(self, k: int) -> list[float]:
         return [r[k] for r in self.rounds if k in r]
 
-    def interval(self, k: int, timing_only: bool = False) -> tuple[float, float, float]:
+    def interval(self, k: int) -> tuple[float, float, float]:
         """Tree k's (median, low, high) ratio to AR: the rounds and the calibration prompts
-        resampled (`joint_interval`), or the rounds alone."""
-        f = None if timing_only or self.acceptance is None else self.acceptance[:, k]
-        return joint_interval(self.ratios(k), f, self.level)
+        resampled (`joint_interval`)."""
+        return joint_interval(self.ratios(k), None if self.acceptance is None else self.acceptance[:, k], self.level)
 
-    def versus(self, i: int, j: int, timing_only: bool = False) -> tuple[float, float, float]:
+    def versus(self, i: int, j: int) -> tuple[float, float, float]:
         """(median, low, high) of tree i's ratio to tree j over the rounds that timed both: the AR
         blocks cancel, so this is the pairwise comparison, tighter than two intervals against AR
         (and both trees' tokens/step come from one draw of the prompts)."""
         both = [r[i] / r[j] for r in self.rounds if i in r and j in r]
-        f = None if timing_only or self.acceptance is None else self.acceptance[:, i] / self.acceptance[:, j]
+        f = None if self.acceptance is None else self.acceptance[:, i] / self.acceptance[:, j]
         return joint_interval(both, f, self.level)
 
     def faster(self, i: int, j: int) -> bool:
@@ -207,17 +207,16 @@ class Cell:
         return max(eligible, key=lambda k: (self.interval(k)[0], -nodes[k], -k))
 
     def undecided(self, nodes: Sequence[int]) -> list[int]:
-        """The trees more rounds should time: where AR is chosen, those whose timing interval
-        straddles 1 + min_gain; where a tree is, that tree and every other tree not confidently
-        faster or slower than it by timing (either could still become the choice). Empty when the
-        decision stands. Timing intervals only: rounds narrow those, not the calibration prompts' part."""
+        """The trees more rounds should time: where AR is chosen, those whose interval straddles
+        1 + min_gain; where a tree is, that tree and every other tree not confidently faster or
+        slower than it (either could still become the choice). Empty when the decision stands.
+        Rounds narrow only the timing part of an interval; the calibration prompts' part is the
+        same in every rebuild, so timing a close call to the cap leaves a rebuild's choice to it."""
         c = self.choose(nodes)
         if c is None:
             bar = 1.0 + self.min_gain
-            return [k for k in self.trees
-                    if self.interval(k, True)[1] <= bar <= self.interval(k, True)[2]]
-        open_ = [k for k in self.trees
-                 if k != c and self.versus(c, k, True)[1] <= 1.0 <= self.versus(c, k, True)[2]]
+            return [k for k in self.trees if self.interval(k)[1] <= bar <= self.interval(k)[2]]
+        open_ = [k for k in self.trees if k != c and self.versus(c, k)[1] <= 1.0 <= self.versus(c, k)[2]]
         return [c, *open_] if open_ else []
 
 
@@ -378,9 +377,9 @@ class DynamicCell:
     # ([draws]); None: the interval covers the timing alone
     acceptance: np.ndarray | None = None
 
-    def interval(self, timing_only: bool = False) -> tuple[float, float, float]:
-        """(median, low, high): the rounds and the calibration prompts resampled, or the rounds alone."""
-        return joint_interval(self.ratios, None if timing_only else self.acceptance, self.level)
+    def interval(self) -> tuple[float, float, float]:
+        """(median, low, high): the rounds and the calibration prompts resampled."""
+        return joint_interval(self.ratios, self.acceptance, self.level)
 
     def overhead(self) -> float:
         """The median over rounds of dyn's unpriced ms per step."""
@@ -419,13 +418,13 @@ def dynamic_round(blocks: Sequence[tuple[bool, PricedBlock]], replay_ratio: floa
 def measure_dynamic(run_block: Callable[[bool, int], PricedBlock], replay_ratio: float, settings: PairedSettings,
                     progress: Callable[[], None] | None = None, acceptance: np.ndarray | None = None) -> DynamicCell:
     """Rounds of blocks EntMTP*, dyn, dyn, EntMTP* (`run_block(dyn, round)`), one untimed block of
-    each first; `settings.min_rounds`, then more while the ratio's timing interval straddles 1 +
+    each first; `settings.min_rounds`, then more while the ratio's interval straddles 1 +
     `settings.min_gain`, at most `settings.max_rounds`. `acceptance`: `DynamicCell.acceptance`."""
     cell = DynamicCell(level=settings.level, min_gain=settings.min_gain, acceptance=acceptance)
     run_block(False, 0), run_block(True, 0)  # warm-up
     while len(cell.ratios) < settings.max_rounds:
         if len(cell.ratios) >= settings.min_rounds:
-            _, low, high = cell.interval(timing_only=True)
+            _, low, high = cell.interval()
             if not low <= 1.0 + cell.min_gain <= high:
                 break
         r = len(cell.ratios)

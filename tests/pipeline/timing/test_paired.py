@@ -183,9 +183,11 @@ def test_the_interval_widens_by_the_calibration_prompts_spread_and_rounds_do_not
     med, low, high = joint_interval(ratios, spread[:, 1])
     assert med == 1.05 and low < 1.02 < 1.08 < high
     # a B = 8 cell as HumanEval's builds timed it: 1.05x tight by timing, but its tokens/step is a
-    # mean over 10 prompts: AR is chosen, and no more rounds are asked for (they cannot narrow it)
+    # mean over 10 prompts: AR is chosen, and the close call is timed on (to the cap)
     cell = Cell(8, [1], [{1: r} for r in ratios], min_gain=0.02, acceptance=spread)
-    assert cell.interval(1, timing_only=True)[1] > 1.04 and cell.choose(NODES) is None and cell.undecided(NODES) == []
+    assert joint_interval(cell.ratios(1))[1] > 1.04 and cell.choose(NODES) is None and cell.undecided(NODES) == [1]
+    clear = Cell(8, [1], [{1: r + 0.1} for r in ratios], min_gain=0.02, acceptance=spread)
+    assert clear.choose(NODES) == 1 and clear.undecided(NODES) == []
     assert Cell(8, [1], [{1: r} for r in ratios], min_gain=0.02).choose(NODES) == 1
     # two trees on one draw of prompts: their pairwise interval keeps the pairing
     both = Cell(1, [1, 2], [{1: r, 2: r * 1.2} for r in ratios], acceptance=np.stack([spread[:, 1]] * 3, axis=1))
