@@ -77,12 +77,24 @@ def _check_cpu_report(doc: dict, shape: str, contexts: list[int], rows: list[int
 
 @no_cuda
 def test_quick_cpu_mode_runs_end_to_end_and_says_it_is_no_gpu_result(capsys, tmp_path: Path) -> None:
+    # a budget no loaded CI machine runs out of: every section must run (the budget's own cut is
+    # the next test); quick mode takes ~15 s on 2 idle cores
     with torch_threads(1):
-        assert gpu_check.main(["--quick", "--out", str(tmp_path)], assume_gpu=False) == 0
+        assert gpu_check.main(["--quick", "--out", str(tmp_path), "--budget-s", "3600"], assume_gpu=False) == 0
     out = capsys.readouterr().out
     assert "CPU MODE" in out and "not a GPU result" in out and "SKIP" not in out
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     _check_cpu_report(doc, "tiny", [24, 90], [1, 2, 4, 8, 16])
+
+
+@no_cuda
+def test_a_spent_budget_skips_sections_and_says_so(capsys, tmp_path: Path) -> None:
+    with torch_threads(1):
+        rc = gpu_check.main(["--quick", "--out", str(tmp_path), "--budget-s", "0"], assume_gpu=False)
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    skipped = [s for d in doc["dtypes"].values() for s in d.get("skipped", [])]
+    assert rc == 0 and "SKIPPED (time budget)" in out and skipped and all("budget" in s for s in skipped)
 
 
 @pytest.mark.slow
