@@ -142,6 +142,7 @@ def build_dynamic(rollouts: list[dict], scores: dict[str, Any], cost_model: Any,
 
     fitted = fit(0.0)
     paired = None
+
     def draws(f: dict[str, Any]) -> Any:
         if static_prompt_seconds is None:
             return None
