@@ -12,16 +12,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.artifacts import MANIFEST, machine_key, read_json, run_stage
-from pipeline.graph import config_key, forced, once_per_config, output_digest, plain
+from pipeline.graph import config_key, forced, once_per_config, output_digest, plain, runtime_key, runtime_spec
 from pipeline.paths import Layout
-from pipeline.stages import grow as grow_stage
-from pipeline.stages import heads as heads_stage
-from pipeline.stages import merge as merge_stage
-from pipeline.stages import model as model_stage
-from pipeline.stages import recalibrate as recalibrate_stage
-from pipeline.stages import scores as scores_stage
-from pipeline.stages import time as time_stage
-from pipeline.graph import runtime_key, runtime_spec
+from pipeline.stages import grow as grow_stage, heads as heads_stage, merge as merge_stage, model as model_stage
+from pipeline.stages import recalibrate as recalibrate_stage, scores as scores_stage, time as time_stage
 from pipeline.stages.rollout import calib_rows
 from pipeline.stages.prepare import rows_hash, split_rows
 
